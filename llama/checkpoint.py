@@ -1,0 +1,256 @@
+"""Meta's on-disk checkpoint layout: `params.json` plus `consolidated.NN.pth`, read, checked and written.
+
+A checkpoint directory holds:
+    params.json            the model's shape (the fields of ModelArgs, Meta's names)
+    consolidated.00.pth    the weights; a model-parallel checkpoint has one file per shard
+    tokenizer.model        optional here; Meta ships it one directory up
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from llama.errors import LlamaError
+from llama.model import ModelArgs, Transformer
+from llama.sharding import merge_shards, shard_state_dict
+
+# Meta's checkpoints carry the rotary frequencies as a tensor; the model recomputes them, so it is dropped.
+IGNORED_KEYS = ("rope.freqs",)
+TOKENIZER_NAMES = ("tokenizer.model",)
+
+# The params.json of Meta's LLaMA-2 releases (vocab_size -1: 32,000 from the tokenizer), and a tiny shape
+# with grouped-query attention for tests and demos.
+PRESETS = {
+    "7B": {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1},
+    "13B": {"dim": 5120, "multiple_of": 256, "n_heads": 40, "n_layers": 40, "norm_eps": 1e-05, "vocab_size": -1},
+    "70B": {"dim": 8192, "multiple_of": 4096, "ffn_dim_multiplier": 1.3, "n_heads": 64, "n_kv_heads": 8,
+            "n_layers": 80, "norm_eps": 1e-05, "vocab_size": -1},
+    "tiny": {"dim": 64, "multiple_of": 32, "n_heads": 8, "n_kv_heads": 2, "n_layers": 2, "norm_eps": 1e-05,
+             "vocab_size": -1},
+}
+
+_RUN_FIELDS = ("max_batch_size", "max_seq_len")
+_PARAM_TYPES = {f.name: f.type for f in fields(ModelArgs) if f.name not in _RUN_FIELDS}
+_INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "hidden_dim")
+_FLOAT_FIELDS = ("ffn_dim_multiplier", "norm_eps", "rope_theta")
+
+
+def read_params(ckpt_dir: Path) -> Dict:
+    """The contents of `ckpt_dir/params.json`, checked for unknown fields and wrong types."""
+    path = Path(ckpt_dir) / "params.json"
+    if not path.is_file():
+        raise LlamaError(f"{path} does not exist: a checkpoint directory needs params.json beside its weights")
+    try:
+        params = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LlamaError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(params, dict):
+        raise LlamaError(f"{path} must hold a JSON object, not {type(params).__name__}")
+    unknown = sorted(set(params) - set(_PARAM_TYPES))
+    if unknown:
+        # An unknown field may change what the model computes (a new rope scaling, say); ignoring it would
+        # give wrong text without a word.
+        raise LlamaError(f"{path} has fields this tool does not understand: {', '.join(unknown)}")
+    for name, value in params.items():
+        if value is None and name in ("n_kv_heads", "ffn_dim_multiplier", "hidden_dim"):
+            continue
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if name in _INT_FIELDS and not is_int:
+            raise LlamaError(f"{path}: {name} must be an integer, not {value!r}")
+        if name in _FLOAT_FIELDS and not (is_int or isinstance(value, float)):
+            raise LlamaError(f"{path}: {name} must be a number, not {value!r}")
+    return params
+
+
+def model_args(params: Dict, max_seq_len: int, max_batch_size: int, tokenizer_vocab: Optional[int] = None,
+               source: str = "params.json") -> ModelArgs:
+    """ModelArgs from a params dict, with `vocab_size: -1` resolved from the tokenizer and the shape checked."""
+    args = ModelArgs(max_seq_len=max_seq_len, max_batch_size=max_batch_size, **params)
+    if args.vocab_size == -1:
+        if tokenizer_vocab is None:
+            raise LlamaError(f"{source} has vocab_size -1 (take it from the tokenizer) but no tokenizer was given")
+        args.vocab_size = tokenizer_vocab
+    elif tokenizer_vocab is not None and tokenizer_vocab > args.vocab_size:
+        raise LlamaError(
+            f"the tokenizer has {tokenizer_vocab} tokens but the model only {args.vocab_size}: "
+            "they do not belong together"
+        )
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
+        if getattr(args, name) <= 0:
+            raise LlamaError(f"{source}: {name} must be positive, not {getattr(args, name)}")
+    if args.dim % args.n_heads:
+        raise LlamaError(f"{source}: dim {args.dim} is not divisible by n_heads {args.n_heads}")
+    if args.n_heads % args.n_kv_heads:
+        raise LlamaError(f"{source}: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}")
+    if args.head_dim % 2:
+        raise LlamaError(f"{source}: head width dim / n_heads = {args.head_dim} must be even for rotary embeddings")
+    if args.hidden_dim is not None and args.hidden_dim <= 0:
+        raise LlamaError(f"{source}: hidden_dim must be positive, not {args.hidden_dim}")
+    if max_seq_len <= 0 or max_batch_size <= 0:
+        raise LlamaError(f"max_seq_len and max_batch_size must be positive, not {max_seq_len} and {max_batch_size}")
+    return args
+
+
+def shard_paths(ckpt_dir: Path) -> List[Path]:
+    """The checkpoint's weight files, in shard order, checked to be consolidated.00 .. consolidated.NN."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise LlamaError(f"checkpoint directory {ckpt_dir} does not exist")
+    paths = sorted(ckpt_dir.glob("consolidated.*.pth"))
+    if not paths:
+        raise LlamaError(f"{ckpt_dir} holds no consolidated.NN.pth weight files")
+    expected = [f"consolidated.{i:02d}.pth" for i in range(len(paths))]
+    if [p.name for p in paths] != expected:
+        raise LlamaError(
+            f"{ckpt_dir} holds shards {', '.join(p.name for p in paths)}; expected {', '.join(expected)}"
+        )
+    return paths
+
+
+def load_shard(path: Path) -> Dict[str, torch.Tensor]:
+    """One weight file, memory-mapped, through the weights-only unpickler that never runs code from the file."""
+    try:
+        state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many types for a bad file; all mean "this is not a checkpoint"
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            reason = "it holds objects other than tensors, and loading it could run code"
+        raise LlamaError(f"cannot load {path}: {reason}") from None
+    if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise LlamaError(f"{path} does not hold a dictionary of tensors")
+    return state_dict
+
+
+def check_state_dict(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Size], source: str) -> None:
+    """Raise naming the first tensor that is missing, unexpected, or of the wrong shape."""
+    missing = [k for k in expected if k not in state_dict]
+    if missing:
+        raise LlamaError(f"{source} is missing tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    unexpected = [k for k in state_dict if k not in expected]
+    if unexpected:
+        raise LlamaError(f"{source} has unexpected tensor {unexpected[0]}" + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
+    for name, shape in expected.items():
+        if state_dict[name].shape != shape:
+            raise LlamaError(
+                f"{source}: tensor {name} has shape {tuple(state_dict[name].shape)}, params.json implies {tuple(shape)}"
+            )
+
+
+def expected_shapes(args: ModelArgs) -> Dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {k: v.shape for k, v in Transformer(args).state_dict().items()}
+
+
+def load_checkpoint(ckpt_dir: Path, args: ModelArgs) -> Dict[str, torch.Tensor]:
+    """The whole model's weights from all shards (merged), checked against `args`."""
+    shards = [load_shard(p) for p in shard_paths(ckpt_dir)]
+    for shard in shards:
+        for key in IGNORED_KEYS:
+            shard.pop(key, None)
+    if len(shards) > 1 and any(set(s) != set(shards[0]) for s in shards):
+        raise LlamaError(f"the shards in {ckpt_dir} do not hold the same tensor names")
+    state_dict = merge_shards(shards)
+    check_state_dict(state_dict, expected_shapes(args), str(ckpt_dir))
+    return state_dict
+
+
+def find_tokenizer(ckpt_dir: Path) -> Path:
+    """The tokenizer file for a checkpoint: inside it, or one level up as Meta's downloads place it."""
+    ckpt_dir = Path(ckpt_dir)
+    candidates = [d / name for d in (ckpt_dir, ckpt_dir.parent) for name in TOKENIZER_NAMES]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise LlamaError(
+        f"no tokenizer found for {ckpt_dir} (looked for {', '.join(str(p) for p in candidates)}); "
+        "pass its path with tokenizer_path"
+    )
+
+
+def _write_dir_atomically(dest: Path, write, overwrite: bool) -> None:
+    """Run write(tmp_dir), then rename the finished directory to `dest`; nothing appears under `dest` on failure."""
+    dest = Path(dest)
+    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
+        raise LlamaError(f"{dest} already exists and is not empty")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
+    try:
+        write(tmp)
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+            dest.rename(old)
+            tmp.rename(dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_checkpoint(ckpt_dir: Path, params: Dict, state_dict: Dict[str, torch.Tensor], num_shards: int = 1,
+                    tokenizer_path: Optional[Path] = None, overwrite: bool = False) -> Path:
+    """Write a checkpoint in Meta's exact layout, atomically.
+
+    Args:
+        ckpt_dir: the directory to create.
+        params: the params.json fields.
+        state_dict: the whole model's weights with Meta's names.
+        num_shards: how many model-parallel shards to split the weights into.
+        tokenizer_path: a tokenizer file to copy in beside the weights, as tokenizer.model (or
+            tokenizer.json for a Hugging Face one).
+        overwrite: replace an existing non-empty directory.
+    """
+
+    def write(tmp: Path) -> None:
+        (tmp / "params.json").write_text(json.dumps(params, indent=2) + "\n")
+        for i, shard in enumerate(shard_state_dict(state_dict, num_shards)):
+            # clone() so each file holds only its own slice, not the whole tensor a view points into.
+            torch.save({k: v.clone() for k, v in shard.items()}, tmp / f"consolidated.{i:02d}.pth")
+        if tokenizer_path is not None:
+            name = "tokenizer.json" if str(tokenizer_path).endswith(".json") else "tokenizer.model"
+            shutil.copyfile(tokenizer_path, tmp / name)
+
+    _write_dir_atomically(Path(ckpt_dir), write, overwrite)
+    return Path(ckpt_dir)
+
+
+def random_state_dict(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      std: float = 0.02) -> Dict[str, torch.Tensor]:
+    """Weights of the given shape, drawn like a freshly initialised LLaMA (normal, std 0.02; norms at 1).
+
+    Tests of tiny models pass a larger `std`: it makes the next-token distribution peaked, so greedy
+    decoding is not decided by near-ties.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    state_dict = {}
+    for name, shape in expected_shapes(args).items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(shape)
+        else:
+            tensor = torch.empty(shape).normal_(0.0, std, generator=generator)
+        state_dict[name] = tensor.to(dtype)
+    return state_dict
+
+
+def params_dict(args: ModelArgs) -> Dict:
+    """The params.json fields of `args`, leaving out the optional ones that are unset."""
+    params = {name: getattr(args, name) for name in _PARAM_TYPES}
+    return {k: v for k, v in params.items() if not (v is None and k in ("ffn_dim_multiplier", "hidden_dim"))}
+
+
+def write_random_checkpoint(ckpt_dir: Path, args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
+                            tokenizer_path: Optional[Path] = None, num_shards: int = 1,
+                            overwrite: bool = False, std: float = 0.02) -> Tuple[Path, Dict[str, torch.Tensor]]:
+    """Write a random-weight checkpoint of shape `args` in Meta's layout; returns its path and weights."""
+    state_dict = random_state_dict(args, seed, dtype, std)
+    # Meta's own files carry the rotary frequencies too; writing them keeps these files exactly like theirs.
+    on_disk = dict(state_dict)
+    on_disk["rope.freqs"] = (1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))).to(dtype)
+    return save_checkpoint(ckpt_dir, params_dict(args), on_disk, num_shards, tokenizer_path, overwrite), state_dict

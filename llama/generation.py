@@ -1,0 +1,306 @@
+"""Text generation with Meta's API and a KV-cache switch.
+
+With the cache, the prompt is fed once and then one token per step at its position. Without it, every
+step feeds the whole prefix `tokens[:, :cur_pos]` from position 0. Both compute the same logits; the
+cache only saves the work of recomputing keys and values of positions already seen.
+"""
+
+import time
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple, TypedDict, Union
+
+import torch
+import torch.nn.functional as F
+
+from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog_llama2, has_special_tags
+from llama.checkpoint import find_tokenizer, load_checkpoint, model_args, read_params
+from llama.distributed import resolve_device, resolve_dtype
+from llama.errors import LlamaError
+from llama.model import Transformer
+from llama.tokenizer import Tokenizer
+
+
+class CompletionPrediction(TypedDict, total=False):
+    generation: str
+    tokens: List[str]  # not required
+    logprobs: List[float]  # not required
+
+
+class ChatPrediction(TypedDict, total=False):
+    generation: Message
+    tokens: List[str]  # not required
+    logprobs: List[float]  # not required
+
+
+# Called after each generation step with the position just filled and its (bsz,) tokens.
+StepCallback = Callable[[int, torch.Tensor], None]
+
+
+def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Nucleus sampling: draw from the smallest set of tokens whose probabilities sum past `p`.
+
+    Args:
+        probs: (bsz, vocab) probabilities.
+        p: the cumulative-probability threshold, in (0, 1].
+        generator: the source of randomness.
+
+    Returns:
+        (bsz, 1) sampled token ids.
+    """
+    probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)
+    probs_sum = torch.cumsum(probs_sort, dim=-1)
+    mask = probs_sum - probs_sort > p  # tokens wholly past the threshold; the most likely one always stays
+    probs_sort[mask] = 0.0
+    probs_sort.div_(probs_sort.sum(dim=-1, keepdim=True))
+    next_token = torch.multinomial(probs_sort, num_samples=1, generator=generator)
+    return torch.gather(probs_idx, -1, next_token)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """(bsz,) next tokens from (bsz, vocab) logits; temperature 0 is greedy."""
+    if temperature > 0:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        return sample_top_p(probs, top_p, generator).reshape(-1)
+    return torch.argmax(logits, dim=-1)
+
+
+def check_sampling(temperature: float, top_p: float, max_gen_len: int) -> None:
+    if not temperature >= 0:  # also catches NaN
+        raise LlamaError(f"temperature must be 0 (greedy) or more, not {temperature}")
+    if not 0 < top_p <= 1:
+        raise LlamaError(f"top_p must be in (0, 1], not {top_p}")
+    if max_gen_len < 0:
+        raise LlamaError(f"max_gen_len must be 0 or more, not {max_gen_len}")
+
+
+class Llama:
+    """A model and its tokenizer, ready to generate."""
+
+    @staticmethod
+    def build(
+        ckpt_dir: Union[str, Path],
+        tokenizer_path: Optional[Union[str, Path]] = None,
+        max_seq_len: int = 2048,
+        max_batch_size: int = 8,
+        model_parallel_size: Optional[int] = None,
+        seed: int = 1,
+        device: Optional[Union[str, torch.device]] = None,
+        dtype: Optional[Union[str, torch.dtype]] = None,
+    ) -> "Llama":
+        """Load a checkpoint in Meta's layout.
+
+        Args:
+            ckpt_dir: directory with params.json and consolidated.NN.pth.
+            tokenizer_path: the tokenizer file; None looks inside ckpt_dir (and one level up, where Meta's
+                downloads put it).
+            max_seq_len: the longest prompt plus generation a run may use.
+            max_batch_size: the most prompts one call may take.
+            model_parallel_size: ranks to split the model across; None or 1 for one process.
+            seed: seed of the sampling generator.
+            device: "cpu", "cuda", "cuda:N"; None picks CUDA when present, else CPU.
+            dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
+                unsupported) and float32 on CPU.
+
+        Raises:
+            LlamaError: a file is missing or malformed, or the weights do not match params.json.
+        """
+        if model_parallel_size not in (None, 1):
+            raise LlamaError(f"model_parallel_size {model_parallel_size} needs torchrun with that many processes")
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        ckpt_dir = Path(ckpt_dir)
+        params = read_params(ckpt_dir)
+        tokenizer = Tokenizer(str(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir)))
+        args = model_args(params, max_seq_len, max_batch_size, tokenizer.n_words, source=str(ckpt_dir / "params.json"))
+
+        start = time.perf_counter()
+        state_dict = load_checkpoint(ckpt_dir, args)
+        with torch.device("meta"):
+            model = Transformer(args)
+        # assign=True adopts the (memory-mapped) tensors instead of copying into freshly allocated ones;
+        # .to() copies only where the device or dtype differs.
+        state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+        model.load_state_dict(state_dict, strict=True, assign=True)
+        model.requires_grad_(False).eval()
+        llama = Llama(model, tokenizer, seed=seed)
+        llama.load_seconds = time.perf_counter() - start
+        return llama
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, seed: int = 1):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = model.tok_embeddings.weight.device
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.load_seconds = 0.0
+        self.last_kv_cache_bytes = 0
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_tokens: List[List[int]],
+        max_gen_len: int,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        logprobs: bool = False,
+        echo: bool = False,
+        kv_cache: bool = True,
+        on_step: Optional[StepCallback] = None,
+    ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
+        """Continue each prompt until it emits a stop token or reaches max_gen_len new tokens (or max_seq_len).
+
+        Args:
+            prompt_tokens: one list of token ids per prompt; lengths may differ.
+            max_gen_len: the most tokens to add to each prompt.
+            temperature: softmax temperature; 0 picks the most likely token (greedy).
+            top_p: nucleus-sampling threshold.
+            logprobs: also return the log-probability of every returned token.
+            echo: return the prompt's tokens before the generated ones. Their log-probabilities are those
+                of each prompt token given the ones before it; the first, having none before it, gets 0.
+            kv_cache: True feeds only the newest token each step, keeping past keys and values in a
+                cache; False feeds the whole prefix every step. The results are the same.
+            on_step: called after every step with the position filled and the (bsz,) tokens put there.
+
+        Returns:
+            (tokens, logprobs): per prompt, the returned token ids, ending before the stop token; and
+            their log-probabilities, or None unless asked for.
+        """
+        params = self.model.params
+        bsz = len(prompt_tokens)
+        if bsz == 0:
+            raise LlamaError("no prompts to generate from")
+        if bsz > params.max_batch_size:
+            raise LlamaError(f"{bsz} prompts exceed max_batch_size {params.max_batch_size}")
+        check_sampling(temperature, top_p, max_gen_len)
+        for i, t in enumerate(prompt_tokens):
+            if len(t) == 0:
+                raise LlamaError(f"prompt {i} has no tokens")
+            if len(t) > params.max_seq_len:
+                raise LlamaError(f"prompt {i} is {len(t)} tokens long, more than max_seq_len {params.max_seq_len}")
+            if min(t) < 0 or max(t) >= params.vocab_size:
+                raise LlamaError(f"prompt {i} holds token ids outside the vocabulary of {params.vocab_size}")
+
+        min_prompt_len = min(len(t) for t in prompt_tokens)
+        max_prompt_len = max(len(t) for t in prompt_tokens)
+        total_len = min(params.max_seq_len, max_gen_len + max_prompt_len)
+
+        device = self.device
+        tokens = torch.zeros((bsz, total_len), dtype=torch.long, device=device)
+        prompt_mask = torch.zeros((bsz, total_len), dtype=torch.bool, device=device)
+        for k, t in enumerate(prompt_tokens):
+            tokens[k, : len(t)] = torch.tensor(t, dtype=torch.long, device=device)
+            prompt_mask[k, : len(t)] = True
+        token_logprobs = torch.zeros((bsz, total_len), dtype=torch.float, device=device) if logprobs else None
+        stop_ids = torch.tensor(self.tokenizer.stop_ids, device=device)
+        stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
+
+        # Sized for this run, not for max_batch_size x max_seq_len: the last token is sampled, never fed.
+        cache = self.model.new_kv_cache(bsz, total_len) if kv_cache else None
+        self.last_kv_cache_bytes = sum(c.nbytes for c in cache) if cache else 0
+
+        if min_prompt_len == total_len and logprobs:
+            # Nothing to generate: score the prompts alone.
+            logits = self.model(tokens, 0)
+            token_logprobs[:, 1:] = -F.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")
+
+        prev_pos, filled = 0, min_prompt_len
+        for cur_pos in range(min_prompt_len, total_len):
+            # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
+            num_logits = cur_pos - prev_pos if logprobs else 1
+            if kv_cache:
+                logits = self.model(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
+            else:
+                logits = self.model(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
+            if not torch.isfinite(logits[:, -1]).all():
+                raise LlamaError(
+                    f"the model produced NaN or infinite logits at position {cur_pos - 1}; the weights may be "
+                    "corrupt, or the dtype may overflow (try --dtype float32)"
+                )
+            next_token = sample(logits[:, -1], temperature, top_p, self.generator)
+            # Rows whose prompt is longer than the shortest one are still reading their prompt.
+            next_token = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
+            tokens[:, cur_pos] = next_token
+            if logprobs:
+                token_logprobs[:, prev_pos + 1 : cur_pos + 1] = -F.cross_entropy(
+                    logits.transpose(1, 2), tokens[:, prev_pos + 1 : cur_pos + 1], reduction="none"
+                )
+            stopped |= ~prompt_mask[:, cur_pos] & torch.isin(next_token, stop_ids)
+            prev_pos, filled = cur_pos, cur_pos + 1
+            if on_step is not None:
+                on_step(cur_pos, next_token)
+            if bool(stopped.all()):
+                break
+
+        out_tokens, out_logprobs = [], []
+        stop_set = set(self.tokenizer.stop_ids)
+        for i, t in enumerate(prompt_tokens):
+            # Every row is past its prompt by the time `filled` stops short of total_len.
+            toks = tokens[i, : min(len(t) + max_gen_len, filled)].tolist()
+            # Cut at the first stop token among the generated ones (a chat prompt may hold eos of its own).
+            for j in range(len(t), len(toks)):
+                if toks[j] in stop_set:
+                    toks = toks[:j]
+                    break
+            start = 0 if echo else len(t)
+            out_tokens.append(toks[start:])
+            if logprobs:
+                out_logprobs.append(token_logprobs[i, start : len(toks)].tolist())
+        return out_tokens, (out_logprobs if logprobs else None)
+
+    def text_completion(
+        self,
+        prompts: List[str],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        echo: bool = False,
+        kv_cache: bool = True,
+    ) -> List[CompletionPrediction]:
+        """Continue each text prompt; see `generate` for the arguments.
+
+        `max_gen_len` None allows up to max_seq_len - 1 new tokens.
+        """
+        if max_gen_len is None:
+            max_gen_len = self.model.params.max_seq_len - 1
+        prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
+        generation_tokens, generation_logprobs = self.generate(
+            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo, kv_cache
+        )
+        if logprobs:
+            return [
+                {"generation": self.tokenizer.decode(t), "tokens": [self.tokenizer.decode([x]) for x in t],
+                 "logprobs": lp}
+                for t, lp in zip(generation_tokens, generation_logprobs)
+            ]
+        return [{"generation": self.tokenizer.decode(t)} for t in generation_tokens]
+
+    def chat_completion(
+        self,
+        dialogs: List[Dialog],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        kv_cache: bool = True,
+    ) -> List[ChatPrediction]:
+        """The assistant's next message for each dialog, in LLaMA-2's chat format.
+
+        A dialog whose messages contain the format's own tags ([INST], <<SYS>>, ...) is not run; its
+        reply is an error message, as in Meta's reference.
+        """
+        if max_gen_len is None:
+            max_gen_len = self.model.params.max_seq_len - 1
+        unsafe = [has_special_tags(d) for d in dialogs]
+        prompt_tokens = [encode_dialog_llama2(self.tokenizer, d) for d in dialogs]
+        generation_tokens, generation_logprobs = self.generate(
+            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo=False, kv_cache=kv_cache
+        )
+        predictions: List[ChatPrediction] = []
+        for i, t in enumerate(generation_tokens):
+            content = UNSAFE_ERROR if unsafe[i] else self.tokenizer.decode(t)
+            pred: ChatPrediction = {"generation": {"role": "assistant", "content": content}}
+            if logprobs:
+                pred["tokens"] = [self.tokenizer.decode([x]) for x in t]
+                pred["logprobs"] = generation_logprobs[i]
+            predictions.append(pred)
+        return predictions

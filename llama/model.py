@@ -1,0 +1,240 @@
+"""The LLaMA-2 transformer in plain PyTorch, with Meta's parameter names and an optional KV cache."""
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama.kv_cache import KVCache
+
+
+@dataclass
+class ModelArgs:
+    """The fields of Meta's `params.json`, plus the limits of a run.
+
+    `hidden_dim` is this project's addition: the feed-forward width stated outright, for models whose
+    width Meta's `multiple_of` / `ffn_dim_multiplier` rule cannot express. When it is None (as in all of
+    Meta's files) the rule decides.
+    """
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = -1  # -1: taken from the tokenizer when the checkpoint is loaded
+    multiple_of: int = 256  # feed-forward width is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    hidden_dim: Optional[int] = None
+
+    max_batch_size: int = 32
+    max_seq_len: int = 2048
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """The feed-forward width: `hidden_dim` if given, else Meta's rule applied to 4 * dim."""
+        if self.hidden_dim is not None:
+            return self.hidden_dim
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the activations' dtype, as Meta's reference does.
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_angles(head_dim: int, theta: float, start_pos: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """Rotation angles for positions start_pos .. start_pos + seqlen - 1: (seqlen, head_dim // 2), float32.
+
+    Computed for the positions at hand on every call, in float32, so casting the model to bf16 never
+    rounds them and no table has to be kept on the right device.
+    """
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim))
+    t = torch.arange(start_pos, start_pos + seqlen, device=device, dtype=torch.float32)
+    return torch.outer(t, freqs)
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head: Meta's interleaved layout.
+
+    Args:
+        x: (bsz, seqlen, n_heads, head_dim).
+        cos, sin: (seqlen, head_dim // 2).
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))  # (bsz, seqlen, n_heads, head_dim // 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos = cos[None, :, None, :]  # (1, seqlen, 1, head_dim // 2)
+    sin = sin[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)  # (bsz, seqlen, n_heads, head_dim)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        # Head counts are plain attributes so a model-parallel transform can divide them after construction.
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        cache: Optional[KVCache],
+    ) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        n_rep = self.n_heads // self.n_kv_heads
+        xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
+        xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        xq = apply_rotary_emb(xq, cos, sin)
+        xk = apply_rotary_emb(xk, cos, sin)
+
+        keys = xk.transpose(1, 2)  # (bsz, n_kv_heads, seqlen, head_dim)
+        values = xv.transpose(1, 2)
+        if cache is not None:
+            keys, values = cache.update(start_pos, keys, values)  # (bsz, n_kv_heads, start_pos + seqlen, head_dim)
+        kv_len = keys.shape[2]
+
+        # Grouped-query attention without repeating keys and values: query head h reads KV head
+        # h // n_rep, so the n_rep query heads of a group are folded into the sequence axis of one
+        # attention over that group's KV head.
+        xq = xq.view(bsz, seqlen, self.n_kv_heads, n_rep, self.head_dim)
+        xq = xq.permute(0, 2, 3, 1, 4).reshape(bsz, self.n_kv_heads, n_rep * seqlen, self.head_dim)
+        if mask is not None:
+            # A mask that broadcasts but does not cover exactly the keys fed would not fail; it would
+            # silently let tokens see the future or hide the past.
+            assert mask.shape == (seqlen, kv_len), f"mask {tuple(mask.shape)} for {seqlen} queries, {kv_len} keys"
+            mask = mask.repeat(n_rep, 1)  # (n_rep * seqlen, kv_len), matching the folded queries
+        out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask)
+        # (bsz, n_kv_heads, n_rep * seqlen, head_dim) -> (bsz, seqlen, n_heads * head_dim)
+        out = out.view(bsz, self.n_kv_heads, n_rep, seqlen, self.head_dim).permute(0, 3, 1, 2, 4)
+        return self.wo(out.reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x, start_pos, cos, sin, mask, cache):
+        h = x + self.attention(self.attention_norm(x), start_pos, cos, sin, mask, cache)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """LLaMA-2. Builds on any device, the meta device included; it allocates nothing else.
+
+    The KV cache is not part of the model: `forward` takes one (see `new_kv_cache`) or runs without.
+    """
+
+    def __init__(self, params: ModelArgs):
+        super().__init__()
+        if params.vocab_size <= 0:
+            raise ValueError("ModelArgs.vocab_size must be set (a params.json with -1 takes it from the tokenizer)")
+        self.params = params
+        self.vocab_size = params.vocab_size
+        self.n_layers = params.n_layers
+        self.tok_embeddings = nn.Embedding(params.vocab_size, params.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
+        self.norm = RMSNorm(params.dim, eps=params.norm_eps)
+        self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
+
+    def new_kv_cache(self, batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None) -> List[KVCache]:
+        """One empty cache per layer for `batch_size` rows of up to `max_seq_len` positions.
+
+        Sized from the layers themselves, so a model split across ranks gets caches of its local KV heads.
+        """
+        weight = self.tok_embeddings.weight
+        return [
+            KVCache(batch_size, max_seq_len, layer.attention.n_kv_heads, layer.attention.head_dim,
+                    dtype or weight.dtype, weight.device)
+            for layer in self.layers
+        ]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        start_pos: int = 0,
+        cache: Optional[List[KVCache]] = None,
+        num_logits: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Logits for the tokens fed.
+
+        Args:
+            tokens: (bsz, seqlen) ids at positions start_pos .. start_pos + seqlen - 1.
+            start_pos: position of the first token. Without a cache the whole prefix must be fed, so it
+                must be 0: tokens fed alone at a later position would see nothing before them.
+            cache: per-layer KV caches holding positions 0 .. start_pos - 1, updated in place; None to
+                run without one.
+            num_logits: compute logits for only the last this many positions (all when None).
+
+        Returns:
+            (bsz, num_logits or seqlen, vocab_size) float32 logits.
+        """
+        if cache is None and start_pos != 0:
+            raise ValueError(f"without a KV cache the whole prefix must be fed from position 0, not {start_pos}")
+        if cache is not None and len(cache) != self.n_layers:
+            raise ValueError(f"expected {self.n_layers} layer caches, got {len(cache)}")
+        bsz, seqlen = tokens.shape
+        h = self.tok_embeddings(tokens)  # (bsz, seqlen, dim)
+        angles = rope_angles(self.params.head_dim, self.params.rope_theta, start_pos, seqlen, tokens.device)
+        cos, sin = angles.cos(), angles.sin()
+
+        mask = None
+        if seqlen > 1:
+            # Each new token sees every cached position (the start_pos zero columns in front) and the
+            # new tokens up to itself; a single new token sees everything, so it needs no mask.
+            causal = torch.full((seqlen, seqlen), float("-inf"), device=tokens.device).triu(1)
+            mask = torch.hstack([torch.zeros((seqlen, start_pos), device=tokens.device), causal]).type_as(h)
+
+        for i, layer in enumerate(self.layers):
+            h = layer(h, start_pos, cos, sin, mask, None if cache is None else cache[i])
+        if num_logits is not None:
+            h = h[:, -num_logits:]
+        return self.output(self.norm(h)).float()
