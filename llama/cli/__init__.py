@@ -1,0 +1,1 @@
+"""The command-line tools. Only this layer prints or exits."""

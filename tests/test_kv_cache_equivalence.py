@@ -1,0 +1,164 @@
+"""The headline claim: the KV cache changes speed, never the answer.
+
+Cached and uncached runs of the same weights give the same logits at every position (float32, 1e-5
+absolute), the same greedy tokens, and the same logprobs; a batch of prompts of different lengths gives
+what each prompt gives alone.
+"""
+
+import pytest
+import torch
+
+from conftest import build
+from llama.checkpoint import load_checkpoint, model_args, read_params
+from reference import reference_logits
+
+PROMPTS = [
+    "I believe the meaning of life is",
+    "Simply put, the theory of relativity states that",
+    "def fibonacci(n):",
+    "A",
+]
+
+
+def _prompt_tokens(llama, prompts=PROMPTS):
+    return [llama.tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+
+
+@pytest.mark.parametrize("prefill_chunks", [[40], [12, 28], [1] * 40], ids=["one-token-steps", "two-chunks", "all-single"])
+def test_cached_logits_equal_uncached_at_every_position(tiny_ckpt, prefill_chunks):
+    """Prefill some tokens (in one or more chunks), then one token per step; compare with one uncached pass."""
+    llama = build(tiny_ckpt)
+    model = llama.model
+    tokens = torch.randint(0, model.vocab_size, (3, 48), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        uncached = model(tokens)  # (3, 48, vocab), positions 0..47 fed at once from start_pos 0
+        cache = model.new_kv_cache(3, 48)
+        pieces, pos = [], 0
+        for n in prefill_chunks:
+            pieces.append(model(tokens[:, pos : pos + n], pos, cache))
+            pos += n
+        for pos in range(pos, 48):
+            pieces.append(model(tokens[:, pos : pos + 1], pos, cache))
+    cached = torch.cat(pieces, dim=1)
+    assert cached.shape == uncached.shape == (3, 48, model.vocab_size)
+    torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-5)
+
+
+def test_uncached_step_logits_equal_a_growing_prefix(gqa_ckpt):
+    """Each uncached step's last logits are those of the prefix alone: later tokens never leak in."""
+    model = build(gqa_ckpt).model
+    tokens = torch.randint(0, model.vocab_size, (2, 30), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        full = model(tokens)
+        for cur in (1, 2, 17, 30):
+            torch.testing.assert_close(model(tokens[:, :cur], 0, num_logits=1)[:, 0], full[:, cur - 1], rtol=0, atol=1e-5)
+
+
+def test_both_paths_match_the_reference_implementation(tiny_ckpt):
+    llama = build(tiny_ckpt)
+    params = model_args(read_params(tiny_ckpt), 64, 8, llama.tokenizer.n_words)
+    state_dict = load_checkpoint(tiny_ckpt, params)
+    tokens = torch.randint(0, params.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    ref = reference_logits(state_dict, params, tokens).float()
+    with torch.inference_mode():
+        cache = llama.model.new_kv_cache(2, 24)
+        cached = torch.cat([llama.model(tokens[:, :8], 0, cache)] +
+                           [llama.model(tokens[:, p : p + 1], p, cache) for p in range(8, 24)], dim=1)
+        uncached = llama.model(tokens)
+    torch.testing.assert_close(uncached, ref, rtol=0, atol=1e-3)
+    torch.testing.assert_close(cached, ref, rtol=0, atol=1e-3)
+
+
+def test_greedy_generation_is_identical_with_and_without_cache(tiny_ckpt):
+    llama = build(tiny_ckpt)
+    prompts = _prompt_tokens(llama)
+    runs = {
+        kv: llama.generate(prompts, max_gen_len=24, temperature=0, logprobs=True, echo=True, kv_cache=kv)
+        for kv in (True, False)
+    }
+    (tok_c, lp_c), (tok_u, lp_u) = runs[True], runs[False]
+    assert tok_c == tok_u
+    for row_c, row_u, toks in zip(lp_c, lp_u, tok_c):
+        assert len(row_c) == len(row_u) == len(toks)
+        torch.testing.assert_close(torch.tensor(row_c), torch.tensor(row_u), rtol=0, atol=1e-5)
+    # Something was generated, and echo returned the prompts in front.
+    for prompt, toks in zip(prompts, tok_c):
+        assert toks[: len(prompt)] == prompt and len(toks) > len(prompt)
+
+
+def test_logprobs_are_those_of_the_model(gqa_ckpt):
+    """With echo, logprob[i] is log p(token i | tokens before it); the first (bos) gets 0."""
+    llama = build(gqa_ckpt)
+    prompt = _prompt_tokens(llama)[:1]
+    for kv in (True, False):
+        (toks,), (lps,) = llama.generate(prompt, max_gen_len=6, temperature=0, logprobs=True, echo=True, kv_cache=kv)
+        with torch.inference_mode():
+            logits = llama.model(torch.tensor([toks]))[0]
+        expected = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(toks[1:])[:, None])[:, 0]
+        assert lps[0] == 0.0
+        torch.testing.assert_close(torch.tensor(lps[1:]), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_each_prompt_of_a_mixed_length_batch_gives_what_it_gives_alone(gqa_ckpt, kv_cache):
+    llama = build(gqa_ckpt)
+    prompts = _prompt_tokens(llama)
+    assert len({len(p) for p in prompts}) == len(prompts)  # really different lengths
+    batch_tokens, batch_lps = llama.generate(prompts, 20, temperature=0, logprobs=True, kv_cache=kv_cache)
+    for prompt, toks, lps in zip(prompts, batch_tokens, batch_lps):
+        (alone_toks,), (alone_lps,) = llama.generate([prompt], 20, temperature=0, logprobs=True, kv_cache=kv_cache)
+        assert toks == alone_toks
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(alone_lps), rtol=0, atol=1e-5)
+
+
+def test_a_one_token_prompt(tiny_ckpt):
+    llama = build(tiny_ckpt)
+    bos_only = [[llama.tokenizer.bos_id]]
+    cached = llama.generate(bos_only, 10, temperature=0, logprobs=True, kv_cache=True)
+    uncached = llama.generate(bos_only, 10, temperature=0, logprobs=True, kv_cache=False)
+    assert cached[0] == uncached[0] and len(cached[0][0]) == 10
+    torch.testing.assert_close(torch.tensor(cached[1]), torch.tensor(uncached[1]), rtol=0, atol=1e-5)
+
+
+def test_generation_runs_to_exactly_max_seq_len(gqa_ckpt):
+    llama = build(gqa_ckpt, max_seq_len=32)
+    prompts = _prompt_tokens(llama)
+    results = [llama.generate(prompts, max_gen_len=1000, temperature=0, echo=True, kv_cache=kv)[0] for kv in (True, False)]
+    assert results[0] == results[1]
+    # No eos in a random model's greedy output here, so every row fills the context to the last position.
+    assert llama.tokenizer.eos_id not in sum(results[0], [])
+    assert [len(t) for t in results[0]] == [32] * len(prompts)
+    assert llama.last_kv_cache_bytes == 0  # the uncached run allocated no cache
+
+
+def test_cache_is_allocated_for_the_run_not_for_max_seq_len(gqa_ckpt):
+    llama = build(gqa_ckpt, max_seq_len=64)
+    prompts = _prompt_tokens(llama)[:2]
+    llama.generate(prompts, max_gen_len=5, temperature=0)
+    total_len = max(len(p) for p in prompts) + 5
+    # 2 layers x (keys + values) x batch 2 x 2 KV heads x total_len x head_dim 8 x 4 bytes
+    assert llama.last_kv_cache_bytes == 2 * 2 * 2 * 2 * total_len * 8 * 4
+
+
+def test_bf16_stays_close_to_the_float32_reference(gqa_ckpt):
+    f32 = build(gqa_ckpt, dtype="float32")
+    bf16 = build(gqa_ckpt, dtype="bfloat16")
+    assert bf16.model.output.weight.dtype == torch.bfloat16
+    tokens = torch.randint(0, f32.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        ref = f32.model(tokens)
+        uncached = bf16.model(tokens)
+        cache = bf16.model.new_kv_cache(2, 32)
+        cached = torch.cat([bf16.model(tokens[:, :16], 0, cache)] +
+                           [bf16.model(tokens[:, p : p + 1], p, cache) for p in range(16, 32)], dim=1)
+    # bf16 keeps 8 significant bits: on logits of magnitude ~10, errors of a few tenths are expected.
+    # Both bf16 paths are held to the float32 reference, not to each other.
+    scale = ref.abs().max().item()
+    for got in (cached, uncached):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0.05 * scale)
+        assert (got - ref).abs().mean().item() < 0.01 * scale
+        # The most likely token agrees with float32 wherever float32 is not near a tie.
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 0.1 * scale
+        assert clear.sum() > 10
+        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
