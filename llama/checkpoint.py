@@ -18,7 +18,7 @@ import torch
 
 from llama.errors import LlamaError
 from llama.model import ModelArgs, Transformer
-from llama.sharding import merge_shards, shard_state_dict
+from llama.sharding import merge_shards, shard_for_rank, shard_state_dict, split_dim
 
 # Meta's checkpoints carry the rotary frequencies as a tensor; the model recomputes them, so it is dropped.
 IGNORED_KEYS = ("rope.freqs",)
@@ -147,17 +147,44 @@ def expected_shapes(args: ModelArgs) -> Dict[str, torch.Size]:
         return {k: v.shape for k, v in Transformer(args).state_dict().items()}
 
 
-def load_checkpoint(ckpt_dir: Path, args: ModelArgs) -> Dict[str, torch.Tensor]:
-    """The whole model's weights from all shards (merged), checked against `args`."""
-    shards = [load_shard(p) for p in shard_paths(ckpt_dir)]
-    for shard in shards:
-        for key in IGNORED_KEYS:
-            shard.pop(key, None)
-    if len(shards) > 1 and any(set(s) != set(shards[0]) for s in shards):
-        raise LlamaError(f"the shards in {ckpt_dir} do not hold the same tensor names")
-    state_dict = merge_shards(shards)
-    check_state_dict(state_dict, expected_shapes(args), str(ckpt_dir))
+def load_checkpoint(ckpt_dir: Path, args: ModelArgs, rank: int = 0, world_size: int = 1) -> Dict[str, torch.Tensor]:
+    """This rank's weights, checked against `args`.
+
+    A checkpoint of as many shards as ranks is read one shard per rank, as Meta's reference does; any other
+    count is merged into the whole model and re-split, so N shards load on M processes (1 included).
+    """
+    paths = shard_paths(ckpt_dir)
+    full_shapes = expected_shapes(args)
+    if len(paths) == world_size:
+        local = _without_ignored(load_shard(paths[rank]))
+        check_state_dict(local, _local_shapes(full_shapes, world_size), str(paths[rank]))
+        return local
+    shards = [_without_ignored(load_shard(p)) for p in paths]
+    for path, shard in zip(paths[1:], shards[1:]):
+        if set(shard) != set(shards[0]):
+            raise LlamaError(f"{path} does not hold the same tensor names as {paths[0]}")
+    try:
+        state_dict = merge_shards(shards)
+    except RuntimeError as e:
+        raise LlamaError(f"the {len(paths)} shards in {ckpt_dir} do not fit together ({e})") from None
+    check_state_dict(state_dict, full_shapes, str(ckpt_dir))
+    return shard_for_rank(state_dict, rank, world_size) if world_size > 1 else state_dict
+
+
+def _without_ignored(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    for key in IGNORED_KEYS:
+        state_dict.pop(key, None)
     return state_dict
+
+
+def _local_shapes(full_shapes: Dict[str, torch.Size], world_size: int) -> Dict[str, torch.Size]:
+    local = {}
+    for name, shape in full_shapes.items():
+        dim, shape = split_dim(name), list(shape)
+        if dim is not None:
+            shape[dim] //= world_size
+        local[name] = torch.Size(shape)
+    return local
 
 
 def find_tokenizer(ckpt_dir: Path) -> Path:

@@ -47,3 +47,36 @@ def resolve_dtype(dtype: Optional[Union[str, torch.dtype]], device: torch.device
         return _DTYPES[str(dtype).lower()]
     except KeyError:
         raise LlamaError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
+
+
+def init_distributed(device: torch.device, model_parallel_size: Optional[int] = None) -> "tuple[int, int]":
+    """Join the torchrun process group if there is one; returns (rank, world_size).
+
+    Under torchrun (WORLD_SIZE set) the group uses NCCL on CUDA and gloo on the CPU, and each rank takes
+    the GPU of its LOCAL_RANK. Outside torchrun this is a single process: (0, 1).
+    """
+    import os
+
+    import torch.distributed as dist
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if model_parallel_size not in (None, world_size):
+        raise LlamaError(
+            f"model_parallel_size {model_parallel_size} does not match the {world_size} process(es) started; "
+            f"run with torchrun --nproc_per_node {model_parallel_size}"
+        )
+    if world_size == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def local_device(device: torch.device) -> torch.device:
+    """Under torchrun each rank takes its own GPU (LOCAL_RANK); the CPU is shared."""
+    import os
+
+    if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    return device

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog_llama2, has_special_tags
 from llama.checkpoint import find_tokenizer, load_checkpoint, model_args, read_params
-from llama.distributed import resolve_device, resolve_dtype
+from llama.distributed import init_distributed, local_device, resolve_device, resolve_dtype
 from llama.errors import LlamaError
 from llama.model import Transformer
+from llama.parallel import check_divisible, parallelize
 from llama.tokenizer import Tokenizer
 
 
@@ -95,7 +96,8 @@ class Llama:
                 downloads put it).
             max_seq_len: the longest prompt plus generation a run may use.
             max_batch_size: the most prompts one call may take.
-            model_parallel_size: ranks to split the model across; None or 1 for one process.
+            model_parallel_size: ranks to split the model across; None takes the number of processes
+                torchrun started (1 without torchrun).
             seed: seed of the sampling generator.
             device: "cpu", "cuda", "cuda:N"; None picks CUDA when present, else CPU.
             dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
@@ -104,25 +106,29 @@ class Llama:
         Raises:
             LlamaError: a file is missing or malformed, or the weights do not match params.json.
         """
-        if model_parallel_size not in (None, 1):
-            raise LlamaError(f"model_parallel_size {model_parallel_size} needs torchrun with that many processes")
-        device = resolve_device(device)
+        device = local_device(resolve_device(device))
         dtype = resolve_dtype(dtype, device)
+        rank, world_size = init_distributed(device, model_parallel_size)
         ckpt_dir = Path(ckpt_dir)
         params = read_params(ckpt_dir)
         tokenizer = Tokenizer(str(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir)))
         args = model_args(params, max_seq_len, max_batch_size, tokenizer.n_words, source=str(ckpt_dir / "params.json"))
 
         start = time.perf_counter()
-        state_dict = load_checkpoint(ckpt_dir, args)
+        if world_size > 1:
+            check_divisible(args, world_size)
+        state_dict = load_checkpoint(ckpt_dir, args, rank, world_size)
         with torch.device("meta"):
             model = Transformer(args)
+        if world_size > 1:
+            model = parallelize(model, world_size)
         # assign=True adopts the (memory-mapped) tensors instead of copying into freshly allocated ones;
         # .to() copies only where the device or dtype differs.
         state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
         model.load_state_dict(state_dict, strict=True, assign=True)
         model.requires_grad_(False).eval()
         llama = Llama(model, tokenizer, seed=seed)
+        llama.rank, llama.world_size = rank, world_size
         llama.load_seconds = time.perf_counter() - start
         return llama
 
@@ -133,6 +139,7 @@ class Llama:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.load_seconds = 0.0
         self.last_kv_cache_bytes = 0
+        self.rank, self.world_size = 0, 1
 
     @torch.inference_mode()
     def generate(
@@ -274,6 +281,10 @@ class Llama:
             ]
         return [{"generation": self.tokenizer.decode(t)} for t in generation_tokens]
 
+    def dialog_tokens(self, dialog: Dialog) -> List[int]:
+        """The prompt tokens of a dialog in the model's chat format, ending where the assistant's reply begins."""
+        return encode_dialog_llama2(self.tokenizer, dialog)
+
     def chat_completion(
         self,
         dialogs: List[Dialog],
@@ -291,7 +302,7 @@ class Llama:
         if max_gen_len is None:
             max_gen_len = self.model.params.max_seq_len - 1
         unsafe = [has_special_tags(d) for d in dialogs]
-        prompt_tokens = [encode_dialog_llama2(self.tokenizer, d) for d in dialogs]
+        prompt_tokens = [self.dialog_tokens(d) for d in dialogs]
         generation_tokens, generation_logprobs = self.generate(
             prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo=False, kv_cache=kv_cache
         )

@@ -53,3 +53,12 @@ def merge_shards(shards: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tenso
         dim = split_dim(name)
         merged[name] = first if dim is None else torch.cat([shard[name] for shard in shards], dim=dim)
     return merged
+
+
+def shard_for_rank(state_dict: Dict[str, torch.Tensor], rank: int, world_size: int) -> Dict[str, torch.Tensor]:
+    """This rank's slice of each weight of a whole model (views, no copies)."""
+    local = {}
+    for name, tensor in state_dict.items():
+        dim = split_dim(name)
+        local[name] = tensor if dim is None else torch.chunk(tensor, world_size, dim=dim)[rank]
+    return local

@@ -3,7 +3,7 @@
 import os
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, List, NoReturn, Sequence
 
 import fire
 
@@ -13,19 +13,40 @@ EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821
+def fail(message: str) -> NoReturn:
     """Print `message` as the command's one-line error and exit non-zero."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(EXIT_ERROR)
 
 
-def run(main: Callable, name: str) -> None:
+def quote_raw_strings(argv: List[str], flags: Sequence[str]) -> List[str]:
+    """Make fire take these flags' values as literal text.
+
+    fire evaluates flag values as Python literals, so `--prompt 42` would arrive as an int and
+    `--prompt "'hi'"` lose its quotes; passing repr(value) makes it evaluate back to the exact string.
+    """
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in flags and eq:
+            out.append(f"{name}={value!r}")
+        elif arg in flags and i + 1 < len(argv):
+            out += [arg, repr(argv[i + 1])]
+            i += 1
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def run(main: Callable, name: str, raw_string_flags: Sequence[str] = ()) -> None:
     """Run a fire-based `main`; mistakes become `error: ...` on stderr and exit 1, Ctrl-C exits 130.
 
     `--debug` anywhere on the command line (or LLAMA_DEBUG=1) shows the full traceback instead.
     """
     debug = "--debug" in sys.argv or os.environ.get("LLAMA_DEBUG") == "1"
-    argv = [a for a in sys.argv[1:] if a != "--debug"]
+    argv = quote_raw_strings([a for a in sys.argv[1:] if a != "--debug"], raw_string_flags)
     try:
         fire.Fire(main, command=argv, name=name)
     except KeyboardInterrupt:
@@ -35,5 +56,6 @@ def run(main: Callable, name: str) -> None:
     except (LlamaError, OSError) as e:
         if debug:
             traceback.print_exc()
-        message = str(e) if isinstance(e, LlamaError) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
-        fail(message)
+        if isinstance(e, LlamaError) or not e.strerror:
+            fail(str(e))
+        fail(f"{e.strerror}: {e.filename}" if e.filename else e.strerror)

@@ -1,0 +1,60 @@
+"""Answer a few example dialogs, as Meta's example does, with a KV-cache switch.
+
+    python example_chat_completion.py [--ckpt_dir DIR] [--no-kv-cache]
+    torchrun --nproc_per_node 2 example_chat_completion.py --ckpt_dir DIR   # model parallel
+
+Without --ckpt_dir it uses the default model (fetched on first use).
+"""
+
+from llama.cli.common import run
+from llama.cli.loading import build_from_flags, is_main_rank
+
+DIALOGS = [
+    [{"role": "user", "content": "What is the boiling point of water at sea level, in Celsius?"}],
+    [
+        {"role": "user", "content": "Name a fruit that is yellow."},
+        {"role": "assistant", "content": "A banana."},
+        {"role": "user", "content": "And one that is red?"},
+    ],
+    [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+]
+
+
+def main(
+    ckpt_dir: str = None,
+    tokenizer_path: str = None,
+    temperature: float = 0.6,
+    top_p: float = 0.9,
+    max_seq_len: int = 512,
+    max_gen_len: int = None,
+    max_batch_size: int = 4,
+    no_kv_cache: bool = False,
+):
+    """Reply to three example dialogs and print each exchange.
+
+    Args:
+        ckpt_dir: checkpoint directory in Meta's layout; default: the default model.
+        tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
+        temperature: sampling temperature; 0 is greedy.
+        top_p: nucleus-sampling threshold.
+        max_seq_len: the most tokens a dialog plus its reply may use.
+        max_gen_len: the most tokens per reply; default: up to max_seq_len.
+        max_batch_size: the most dialogs in one batch.
+        no_kv_cache: feed the whole prefix every step instead of caching keys and values.
+    """
+    generator = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=1, device=None, dtype=None)
+    results = generator.chat_completion(DIALOGS, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
+                                        kv_cache=not no_kv_cache)
+    if is_main_rank(generator):
+        for dialog, result in zip(DIALOGS, results):
+            for msg in dialog:
+                print(f"{msg['role'].capitalize()}: {msg['content']}\n")
+            print(f"> {result['generation']['role'].capitalize()}: {result['generation']['content']}")
+            print("\n==================================\n")
+
+
+if __name__ == "__main__":
+    run(main, "example_chat_completion.py")

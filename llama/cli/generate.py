@@ -1,0 +1,168 @@
+"""llama-generate: continue prompts from the command line, with the KV cache on or off."""
+
+import json as jsonlib
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from llama.cli.common import fail, run
+from llama.cli.loading import build_from_flags, is_main_rank
+from llama.cli.streaming import TextStream
+from llama.generation import check_sampling
+
+
+def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> List[str]:
+    """The prompts to run: one from --prompt, or one per line of --prompts-file."""
+    if (prompt is None) == (prompts_file is None):
+        fail("give exactly one of --prompt TEXT or --prompts-file FILE")
+    if prompt is not None:
+        prompts = [str(prompt)]
+    else:
+        path = Path(str(prompts_file))
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except FileNotFoundError:
+            fail(f"prompts file {path} does not exist")
+        except UnicodeDecodeError as e:
+            fail(f"prompts file {path} is not UTF-8 text (byte {e.start} is invalid)")
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            fail(f"prompts file {path} holds no prompts (one per line)")
+    if any(not p.strip() for p in prompts):
+        fail("the prompt is empty")
+    return prompts
+
+
+def main(
+    prompt: str = None,
+    prompts_file: str = None,
+    ckpt_dir: str = None,
+    tokenizer_path: str = None,
+    echo: bool = False,
+    no_kv_cache: bool = False,
+    temperature: float = 0.6,
+    top_p: float = 0.9,
+    max_gen_len: int = 128,
+    max_seq_len: int = 2048,
+    max_batch_size: int = 8,
+    seed: int = 1,
+    device: str = None,
+    dtype: str = None,
+    logprobs: bool = False,
+    json: bool = False,
+    stats: bool = False,
+    stream: bool = None,
+):
+    """Continue text prompts with a LLaMA model.
+
+    Examples:
+        llama-generate --prompt "The capital of France is" --echo
+        llama-generate --prompt "The capital of France is" --no-kv-cache --stats
+        llama-generate --prompts-file prompts.txt --json --temperature 0
+
+    Args:
+        prompt: the text to continue.
+        prompts_file: a UTF-8 file with one prompt per line (instead of --prompt); they run as one batch.
+        ckpt_dir: checkpoint directory in Meta's layout (params.json, consolidated.NN.pth); default: the
+            default model, fetched on first use.
+        tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
+        echo: print the prompt before its continuation.
+        no_kv_cache: feed the whole prefix every step instead of caching keys and values. Same text, slower.
+        temperature: sampling temperature; 0 is greedy.
+        top_p: nucleus-sampling threshold, in (0, 1].
+        max_gen_len: the most new tokens per prompt.
+        max_seq_len: the most tokens (prompt plus generation) a run may use.
+        max_batch_size: the most prompts in one run.
+        seed: seed of the sampler; the same seed gives the same text.
+        device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
+        dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
+        logprobs: also report each generated token's log-probability (with --json or --stats).
+        json: print one JSON object per prompt (text, token ids, logprobs if asked, timings).
+        stats: print prompt tokens, prefill time, decode tokens/s and KV-cache bytes to stderr.
+        stream: print text as it is generated; default: when printing one prompt to a terminal.
+    """
+    prompts = read_prompts(prompt, prompts_file)
+    if max_gen_len < 1:
+        fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
+    check_sampling(temperature, top_p, max_gen_len)
+    if len(prompts) > max_batch_size:
+        fail(f"{len(prompts)} prompts exceed --max-batch-size {max_batch_size}; raise it or split the file")
+
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype)
+    tokenizer = llama.tokenizer
+    prompt_tokens = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
+    main_rank = is_main_rank(llama)
+    if stream is None:
+        stream = len(prompts) == 1 and not json and sys.stdout.isatty()
+    streamer = TextStream(tokenizer, prompt_tokens[0] if echo else [], sys.stdout) if stream and main_rank else None
+
+    step_times: List[float] = []
+
+    def on_step(pos, next_tokens):
+        step_times.append(time.perf_counter())
+        if streamer is not None:
+            streamer.push(next_tokens[0].item())
+
+    start = time.perf_counter()
+    out_tokens, out_logprobs = llama.generate(
+        prompt_tokens, max_gen_len, temperature, top_p, logprobs=logprobs, echo=echo,
+        kv_cache=not no_kv_cache, on_step=on_step,
+    )
+    end = time.perf_counter()
+    if not main_rank:
+        return
+
+    timings = _timings(start, step_times, end)
+    if streamer is not None:
+        streamer.finish(out_tokens[0])
+    for i, toks in enumerate(out_tokens):
+        text = tokenizer.decode(toks)
+        if json:
+            record = {"prompt": prompts[i], "text": text, "tokens": toks, "kv_cache": not no_kv_cache,
+                      "timings": timings}
+            if logprobs:
+                record["logprobs"] = out_logprobs[i]
+            print(jsonlib.dumps(record, ensure_ascii=False), flush=True)
+        elif streamer is None:
+            if len(prompts) > 1:
+                print(f"==> prompt {i + 1}: {prompts[i]}" if not echo else f"==> prompt {i + 1}")
+            print(text, flush=True)
+            if len(prompts) > 1 and i < len(prompts) - 1:
+                print()
+    if stats:
+        generated = [len(t) - (len(p) if echo else 0) for t, p in zip(out_tokens, prompt_tokens)]
+        lines = [
+            f"kv cache:        {'on' if not no_kv_cache else 'off'}",
+            f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
+            f"generated:       {sum(generated)} tokens",
+            f"prefill:         {timings['prefill_s'] * 1000:.1f} ms (to the first new token)",
+            f"decode:          {timings['decode_tokens_per_s']:.2f} tokens/s per sequence",
+            f"total:           {timings['total_s']:.2f} s",
+            f"kv cache bytes:  {llama.last_kv_cache_bytes:,}",
+        ]
+        if logprobs and not json:
+            lines += [f"logprobs[{i}]:     " + " ".join(f"{lp:.3f}" for lp in lps) for i, lps in enumerate(out_logprobs)]
+        print("\n".join(lines), file=sys.stderr)
+
+
+def _timings(start: float, step_times: List[float], end: float) -> dict:
+    """Prefill is the time to the first new token; decode covers the steps after it."""
+    prefill = (step_times[0] - start) if step_times else end - start
+    decode_steps = len(step_times) - 1
+    decode_s = (step_times[-1] - step_times[0]) if decode_steps > 0 else 0.0
+    return {
+        "prefill_s": round(prefill, 6),
+        "decode_s": round(decode_s, 6),
+        "decode_steps": max(decode_steps, 0),
+        "decode_tokens_per_s": round(decode_steps / decode_s, 3) if decode_s > 0 else 0.0,
+        "total_s": round(end - start, 6),
+    }
+
+
+def cli() -> None:
+    run(main, "llama-generate", raw_string_flags=("--prompt",))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,36 @@
+"""Loading the model the way every command does: flags in, a ready Llama out."""
+
+from typing import Optional
+
+from llama.errors import LlamaError
+from llama.generation import Llama
+
+
+def default_ckpt_dir() -> str:
+    """The default model's checkpoint directory, fetched and converted on first use."""
+    try:
+        from llama.download import default_model_dir
+    except ImportError:
+        raise LlamaError(
+            "no --ckpt-dir given and this version has no default model; write a test checkpoint with "
+            "`python scripts/write_random_checkpoint.py DIR` or pass a LLaMA checkpoint directory"
+        ) from None
+    return str(default_model_dir(fetch=True))
+
+
+def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
+                     seed: int, device: Optional[str], dtype: Optional[str]) -> Llama:
+    return Llama.build(
+        ckpt_dir=str(ckpt_dir) if ckpt_dir is not None else default_ckpt_dir(),
+        tokenizer_path=str(tokenizer_path) if tokenizer_path is not None else None,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+    )
+
+
+def is_main_rank(llama: Llama) -> bool:
+    """Under torchrun every rank computes the same tokens; only rank 0 prints them."""
+    return llama.rank == 0
