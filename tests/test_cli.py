@@ -1,0 +1,194 @@
+"""The console commands, run as a user runs them: subprocesses, exit statuses, what they print."""
+
+import io
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import EXAMPLE_TOKENIZER, REPO
+from llama.cli.streaming import TextStream
+from llama.tokenizer import Tokenizer
+
+BIN = Path(sys.executable).parent
+PROMPT = "I believe the meaning of life is"
+
+
+def run(cmd, *args, input=None, env=None):
+    exe = str(BIN / cmd) if not cmd.endswith(".py") else sys.executable
+    argv = [exe] + ([str(REPO / cmd)] if cmd.endswith(".py") else []) + [str(a) for a in args]
+    return subprocess.run(argv, capture_output=True, text=True, input=input, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def generate(ckpt, *args, **kwargs):
+    return run("llama-generate", "--ckpt-dir", ckpt, "--temperature", "0", "--max-gen-len", "12", *args, **kwargs)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_generate_echo_prints_prompt_then_continuation(gqa_ckpt):
+    plain = generate(gqa_ckpt, "--prompt", PROMPT)
+    echoed = generate(gqa_ckpt, "--prompt", PROMPT, "--echo")
+    assert plain.returncode == echoed.returncode == 0, plain.stderr + echoed.stderr
+    assert echoed.stdout.startswith(PROMPT)
+    assert plain.stdout.strip() and echoed.stdout.rstrip("\n").endswith(plain.stdout.strip())
+
+
+def test_no_kv_cache_prints_the_same_text(gqa_ckpt):
+    cached = generate(gqa_ckpt, "--prompt", PROMPT, "--json", "--logprobs")
+    uncached = generate(gqa_ckpt, "--prompt", PROMPT, "--json", "--logprobs", "--no-kv-cache")
+    a, b = json.loads(cached.stdout), json.loads(uncached.stdout)
+    assert (a["kv_cache"], b["kv_cache"]) == (True, False)
+    assert a["text"] == b["text"] and a["tokens"] == b["tokens"] and len(a["tokens"]) == 12
+    assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-5
+
+
+def test_json_gives_one_object_per_prompt(gqa_ckpt, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\n\nThe answer is\n42\n", encoding="utf-8")
+    result = generate(gqa_ckpt, "--prompts-file", prompts, "--json")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["Hello", "The answer is", "42"]  # blank lines skipped
+    for r in records:
+        assert set(r) == {"prompt", "text", "tokens", "kv_cache", "timings"}
+        assert len(r["tokens"]) == 12 and r["timings"]["total_s"] > 0
+
+
+def test_prompt_is_taken_as_literal_text(gqa_ckpt):
+    result = generate(gqa_ckpt, "--prompt", "'quoted', [1, 2]", "--json")
+    assert json.loads(result.stdout)["prompt"] == "'quoted', [1, 2]"
+    assert json.loads(generate(gqa_ckpt, "--prompt", "42", "--json").stdout)["prompt"] == "42"
+
+
+def test_stats_reports_prefill_decode_and_cache_bytes(gqa_ckpt):
+    cached = generate(gqa_ckpt, "--prompt", PROMPT, "--stats")
+    uncached = generate(gqa_ckpt, "--prompt", PROMPT, "--stats", "--no-kv-cache")
+    assert "prefill:" in cached.stderr and "tokens/s" in cached.stderr
+    assert "kv cache bytes:  0" in uncached.stderr
+    assert "kv cache bytes:  0" not in cached.stderr and "kv cache bytes:" in cached.stderr
+
+
+def test_streaming_prints_exactly_the_final_text(gqa_ckpt):
+    for extra in ([], ["--echo"]):
+        streamed = generate(gqa_ckpt, "--prompt", PROMPT, "--stream", *extra)
+        final = generate(gqa_ckpt, "--prompt", PROMPT, "--stream", "False", *extra)
+        assert streamed.returncode == 0 and streamed.stdout == final.stdout
+
+
+def test_a_single_prompt_streams_on_a_terminal(gqa_ckpt):
+    """Under a pseudo-terminal, output arrives in pieces and adds up to the piped (non-streamed) text."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([str(BIN / "llama-generate"), "--ckpt-dir", str(gqa_ckpt), "--prompt", PROMPT,
+                             "--temperature", "0", "--max-gen-len", "12"], stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    on_terminal = b"".join(chunks).decode().replace("\r\n", "\n")
+    assert on_terminal == generate(gqa_ckpt, "--prompt", PROMPT).stdout
+
+
+def test_stream_decoding_holds_back_split_characters():
+    tok = Tokenizer(EXAMPLE_TOKENIZER)
+    text = "héllo wörld 世界 🦙 done"
+    ids = tok.encode(text, bos=False, eos=False)
+    out = io.StringIO()
+    writes = []
+    out.write = lambda s, _w=out.write: (writes.append(s), _w(s))[1]
+    stream = TextStream(tok, [], out)
+    for i in ids:
+        stream.push(i)
+    stream.push(tok.eos_id)
+    stream.push(ids[0])  # nothing after a stop token is printed
+    stream.finish(ids)
+    assert out.getvalue() == text + "\n"
+    assert not any("\ufffd" in w for w in writes)
+    assert len(writes) > 5  # it did stream, piece by piece
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--prompt", "hi", "--ckpt-dir", "/nonexistent/ckpt"], ["/nonexistent/ckpt"]),
+    (["--prompt", "   "], ["empty"]),
+    ([], ["--prompt"]),
+    (["--prompt", "hi", "--temperature", "-1"], ["temperature"]),
+    (["--prompt", "hi", "--top-p", "1.5"], ["top_p"]),
+    (["--prompt", "hi", "--max-gen-len", "0"], ["max-gen-len"]),
+    (["--prompt", "hi", "--dtype", "int4"], ["dtype"]),
+    (["--prompt", "hi", "--device", "tpu"], ["device"]),
+])
+def test_bad_arguments_give_a_one_line_error(gqa_ckpt, args, fragments):
+    if "--ckpt-dir" not in args:
+        args = args + ["--ckpt-dir", str(gqa_ckpt)]
+    assert_one_line_error(run("llama-generate", *args), *fragments)
+
+
+def test_bad_prompts_files(gqa_ckpt, tmp_path):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9\n".encode("latin-1"))
+    assert_one_line_error(generate(gqa_ckpt, "--prompts-file", latin1), "not UTF-8", str(latin1))
+    assert_one_line_error(generate(gqa_ckpt, "--prompts-file", tmp_path / "missing.txt"), "does not exist")
+    many = tmp_path / "many.txt"
+    many.write_text("a\n" * 9)
+    assert_one_line_error(generate(gqa_ckpt, "--prompts-file", many), "9 prompts exceed --max-batch-size 8")
+
+
+def test_prompt_longer_than_max_seq_len(gqa_ckpt):
+    result = generate(gqa_ckpt, "--prompt", "word " * 100, "--max-seq-len", "32")
+    assert_one_line_error(result, "more than max_seq_len 32")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_gpu(gqa_ckpt):
+    assert_one_line_error(generate(gqa_ckpt, "--prompt", "hi", "--device", "cuda"), "no CUDA GPU")
+
+
+def test_help_reads_well():
+    result = run("llama-generate", "--help")
+    assert result.returncode == 0
+    text = result.stdout + result.stderr  # fire writes help to stderr when it is not a terminal
+    for flag in ("--prompt", "--prompts_file", "--echo", "--no_kv_cache", "--json", "--stats", "--logprobs"):
+        assert flag in text
+    assert "llama-generate --prompt \"The capital of France is\" --echo" in text
+    assert "Optional[Optional]" not in text
+
+
+def test_chat_keeps_history_resets_and_leaves_on_eof(gqa_ckpt):
+    script = "Hello there\nTell me more\n/reset\nHello there\n"
+    args = ["--ckpt-dir", gqa_ckpt, "--temperature", "0", "--max-gen-len", "8"]
+    cached = run("llama-chat", *args, input=script)
+    uncached = run("llama-chat", *args, "--no-kv-cache", input=script)
+    assert cached.returncode == 0, cached.stderr
+    replies = cached.stdout.splitlines()
+    assert len(replies) == 3
+    assert replies[0] == replies[2]  # after /reset the same first message gets the same reply
+    assert "(history cleared)" in cached.stderr
+    assert uncached.stdout == cached.stdout
+
+
+def test_example_scripts_run_with_and_without_cache(gqa_ckpt):
+    for script in ("example_text_completion.py", "example_chat_completion.py"):
+        args = ["--ckpt_dir", gqa_ckpt, "--temperature", "0", "--max_gen_len", "8"]
+        cached, uncached = run(script, *args), run(script, *args, "--no-kv-cache")
+        assert cached.returncode == 0, cached.stderr
+        assert cached.stdout.count("==================================") >= 3
+        assert cached.stdout == uncached.stdout
