@@ -80,3 +80,29 @@ def local_device(device: torch.device) -> torch.device:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     return device
+
+
+def available_memory(device: torch.device) -> Optional[int]:
+    """Bytes that could still be allocated on `device`, or None where that cannot be told."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def check_fits(n_bytes: int, device: torch.device, what: str) -> None:
+    """Raise before loading if `n_bytes` clearly cannot fit on `device`."""
+    free = available_memory(device)
+    if free is not None and n_bytes > free:
+        raise LlamaError(
+            f"{what} needs {n_bytes / 2**30:.1f} GiB on {device} but only {free / 2**30:.1f} GiB is available; "
+            "use a smaller dtype (--dtype bfloat16), more model-parallel processes, or another device"
+        )

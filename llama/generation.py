@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog_llama2, has_special_tags
 from llama.checkpoint import find_tokenizer, load_checkpoint, model_args, read_params
-from llama.distributed import init_distributed, local_device, resolve_device, resolve_dtype
+from llama.distributed import check_fits, init_distributed, local_device, resolve_device, resolve_dtype
 from llama.errors import LlamaError
 from llama.model import Transformer
-from llama.parallel import check_divisible, parallelize
+from llama.parallel import parallelize
 from llama.tokenizer import Tokenizer
 
 
@@ -115,13 +115,14 @@ class Llama:
         args = model_args(params, max_seq_len, max_batch_size, tokenizer.n_words, source=str(ckpt_dir / "params.json"))
 
         start = time.perf_counter()
-        if world_size > 1:
-            check_divisible(args, world_size)
-        state_dict = load_checkpoint(ckpt_dir, args, rank, world_size)
         with torch.device("meta"):
             model = Transformer(args)
         if world_size > 1:
             model = parallelize(model, world_size)
+        # Refuse before reading gigabytes that cannot fit.
+        n_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+        check_fits(n_bytes, device, f"the model's weights in {str(dtype).removeprefix('torch.')}")
+        state_dict = load_checkpoint(ckpt_dir, args, rank, world_size)
         # assign=True adopts the (memory-mapped) tensors instead of copying into freshly allocated ones;
         # .to() copies only where the device or dtype differs.
         state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}

@@ -53,6 +53,7 @@ def main(
     json: bool = False,
     stats: bool = False,
     stream: bool = None,
+    truncate: bool = False,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -81,6 +82,9 @@ def main(
         json: print one JSON object per prompt (text, token ids, logprobs if asked, timings).
         stats: print prompt tokens, prefill time, decode tokens/s and KV-cache bytes to stderr.
         stream: print text as it is generated; default: when printing one prompt to a terminal.
+        truncate: cut prompts that are too long from the left (keeping bos) so that max_gen_len new
+            tokens fit in max_seq_len, but never to less than half of max_seq_len; without it a prompt
+            that is too long is an error.
     """
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
@@ -93,6 +97,14 @@ def main(
     tokenizer = llama.tokenizer
     prompt_tokens = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     main_rank = is_main_rank(llama)
+    if truncate:
+        keep = max(max_seq_len - max_gen_len, max_seq_len // 2, 1)
+        for i, toks in enumerate(prompt_tokens):
+            if len(toks) > keep:
+                cut = [toks[0]] + toks[len(toks) - keep + 1:] if toks[0] == tokenizer.bos_id else toks[-keep:]
+                if main_rank:
+                    print(f"note: prompt {i + 1} cut from {len(toks)} to its last {len(cut)} tokens", file=sys.stderr)
+                prompt_tokens[i] = cut
     if stream is None:
         stream = len(prompts) == 1 and not json and sys.stdout.isatty()
     streamer = TextStream(tokenizer, prompt_tokens[0] if echo else [], sys.stdout) if stream and main_rank else None
