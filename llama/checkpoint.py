@@ -22,7 +22,7 @@ from llama.sharding import merge_shards, shard_for_rank, shard_state_dict, split
 
 # Meta's checkpoints carry the rotary frequencies as a tensor; the model recomputes them, so it is dropped.
 IGNORED_KEYS = ("rope.freqs",)
-TOKENIZER_NAMES = ("tokenizer.model",)
+TOKENIZER_NAMES = ("tokenizer.model", "tokenizer.json")
 
 # The params.json of Meta's LLaMA-2 releases (vocab_size -1: 32,000 from the tokenizer), and a tiny shape
 # with grouped-query attention for tests and demos.
@@ -209,6 +209,7 @@ def _write_dir_atomically(dest: Path, write, overwrite: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
     try:
         write(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a checkpoint is ordinary readable data
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
             dest.rename(old)
@@ -222,7 +223,8 @@ def _write_dir_atomically(dest: Path, write, overwrite: bool) -> None:
 
 
 def save_checkpoint(ckpt_dir: Path, params: Dict, state_dict: Dict[str, torch.Tensor], num_shards: int = 1,
-                    tokenizer_path: Optional[Path] = None, overwrite: bool = False) -> Path:
+                    tokenizer_path: Optional[Path] = None, overwrite: bool = False,
+                    extra_files: Optional[Dict[str, bytes]] = None) -> Path:
     """Write a checkpoint in Meta's exact layout, atomically.
 
     Args:
@@ -233,6 +235,7 @@ def save_checkpoint(ckpt_dir: Path, params: Dict, state_dict: Dict[str, torch.Te
         tokenizer_path: a tokenizer file to copy in beside the weights, as tokenizer.model (or
             tokenizer.json for a Hugging Face one).
         overwrite: replace an existing non-empty directory.
+        extra_files: more files to write beside the weights, by name, inside the same atomic step.
     """
 
     def write(tmp: Path) -> None:
@@ -243,6 +246,8 @@ def save_checkpoint(ckpt_dir: Path, params: Dict, state_dict: Dict[str, torch.Te
         if tokenizer_path is not None:
             name = "tokenizer.json" if str(tokenizer_path).endswith(".json") else "tokenizer.model"
             shutil.copyfile(tokenizer_path, tmp / name)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
 
     _write_dir_atomically(Path(ckpt_dir), write, overwrite)
     return Path(ckpt_dir)

@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Tuple, TypedDict, Union
 import torch
 import torch.nn.functional as F
 
-from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog_llama2, has_special_tags
+from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.checkpoint import find_tokenizer, load_checkpoint, model_args, read_params
 from llama.distributed import check_fits, init_distributed, local_device, resolve_device, resolve_dtype
 from llama.errors import LlamaError
@@ -284,7 +284,7 @@ class Llama:
 
     def dialog_tokens(self, dialog: Dialog) -> List[int]:
         """The prompt tokens of a dialog in the model's chat format, ending where the assistant's reply begins."""
-        return encode_dialog_llama2(self.tokenizer, dialog)
+        return encode_dialog(self.tokenizer, dialog)
 
     def chat_completion(
         self,
@@ -295,14 +295,14 @@ class Llama:
         logprobs: bool = False,
         kv_cache: bool = True,
     ) -> List[ChatPrediction]:
-        """The assistant's next message for each dialog, in LLaMA-2's chat format.
+        """The assistant's next message for each dialog, in the tokenizer's chat format (LLaMA-2's or ChatML).
 
         A dialog whose messages contain the format's own tags ([INST], <<SYS>>, ...) is not run; its
         reply is an error message, as in Meta's reference.
         """
         if max_gen_len is None:
             max_gen_len = self.model.params.max_seq_len - 1
-        unsafe = [has_special_tags(d) for d in dialogs]
+        unsafe = [has_special_tags(d, self.tokenizer.chat_format) for d in dialogs]
         prompt_tokens = [self.dialog_tokens(d) for d in dialogs]
         generation_tokens, generation_logprobs = self.generate(
             prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo=False, kv_cache=kv_cache

@@ -1,21 +1,37 @@
-"""The tokenizer: LLaMA-2's SentencePiece model, behind Meta's small interface."""
+"""The tokenizer: SentencePiece (LLaMA-2's `tokenizer.model`) or Hugging Face (`tokenizer.json`), behind
+Meta's small interface.
 
+A `tokenizer_config.json` beside the file, when present, says what the vocabulary alone cannot: which
+tokens are bos, eos and the end of a turn, whether a prompt starts with bos, and the chat format. Its
+keys are a subset of Hugging Face's file of the same name, so theirs is read too:
+
+    {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
+     "add_bos_token": false, "stop_tokens": ["<|im_end|>", "<|endoftext|>"],
+     "chat_format": "chatml", "default_system_prompt": "You are ...", "chat_template": "..."}
+
+Every key is optional. Without the file a SentencePiece model behaves as Meta's reference does.
+"""
+
+import json
 from pathlib import Path
-from typing import List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from sentencepiece import SentencePieceProcessor
 
 from llama.errors import LlamaError
+
+CONFIG_NAME = "tokenizer_config.json"
+CHAT_FORMATS = ("llama2", "chatml")
 
 
 class Tokenizer:
     """Encodes text to token ids and back.
 
     Args:
-        model_path: a SentencePiece `tokenizer.model`.
+        model_path: a SentencePiece `tokenizer.model`, or a Hugging Face `tokenizer.json`.
 
     Raises:
-        LlamaError: the file is missing or is not a tokenizer model.
+        LlamaError: the file is missing or is not a tokenizer, or its `tokenizer_config.json` is malformed.
     """
 
     def __init__(self, model_path: str):
@@ -23,24 +39,84 @@ class Tokenizer:
         if not path.is_file():
             raise LlamaError(f"tokenizer file {path} does not exist")
         self.path = path
+        config = read_tokenizer_config(path.parent / CONFIG_NAME)
+        self.sp_model: Optional[SentencePieceProcessor] = None
+        self.hf_tokenizer = None
+        if path.suffix == ".json":
+            self._load_hf(path)
+        else:
+            self._load_sentencepiece(path)
+
+        self.n_words: int = self._vocab_size()
+        self.bos_id: int = self._config_id(config, "bos_token", self.bos_id)
+        self.eos_id: int = self._config_id(config, "eos_token", self.eos_id)
+        self.pad_id: int = self._config_id(config, "pad_token", self.pad_id)
+        # Whether `encode(..., bos=True)` really adds bos: models such as SmolLM2 are trained without it.
+        self.add_bos: bool = bool(config.get("add_bos_token", True)) and self.bos_id >= 0
+        # Tokens that end a generated row: eos, and for chat models the end-of-turn token.
+        stops = [self._required_id(config, t, "stop_tokens") for t in config.get("stop_tokens", [])]
+        self.stop_ids: List[int] = stops or [self.eos_id]
+        self.chat_format: str = _chat_format(config, path.parent / CONFIG_NAME)
+        self.default_system_prompt: Optional[str] = config.get("default_system_prompt")
+
+    def _load_sentencepiece(self, path: Path) -> None:
         self.sp_model = SentencePieceProcessor()
         try:
             self.sp_model.Load(str(path))
         except (OSError, RuntimeError) as e:
             raise LlamaError(f"{path} is not a SentencePiece tokenizer model ({e})") from None
-        self.n_words: int = self.sp_model.vocab_size()
-        self.bos_id: int = self.sp_model.bos_id()
-        self.eos_id: int = self.sp_model.eos_id()
-        self.pad_id: int = self.sp_model.pad_id()
-        # Tokens that end a generated row.
-        self.stop_ids: List[int] = [self.eos_id]
+        self.bos_id, self.eos_id, self.pad_id = self.sp_model.bos_id(), self.sp_model.eos_id(), self.sp_model.pad_id()
+
+    def _load_hf(self, path: Path) -> None:
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError:
+            raise LlamaError(f"{path} is a Hugging Face tokenizer; install the `tokenizers` package to use it") from None
+        try:
+            self.hf_tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+            raise LlamaError(f"{path} is not a Hugging Face tokenizer.json ({str(e).splitlines()[0]})") from None
+        # No config: no bos/eos known. -1 is what SentencePiece reports for an id a model lacks.
+        self.bos_id = self.eos_id = self.pad_id = -1
+
+    def _vocab_size(self) -> int:
+        if self.sp_model is not None:
+            return self.sp_model.vocab_size()
+        return self.hf_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, piece: str) -> Optional[int]:
+        """The id of one whole token such as "<|im_end|>", or None when the vocabulary lacks it."""
+        if self.sp_model is not None:
+            token_id = self.sp_model.piece_to_id(piece)
+            # SentencePiece answers unk for a piece it does not know.
+            return None if token_id == self.sp_model.unk_id() and piece != self.sp_model.id_to_piece(token_id) else token_id
+        return self.hf_tokenizer.token_to_id(piece)
+
+    def _config_id(self, config: Dict[str, Any], key: str, default: int) -> int:
+        if config.get(key) is None:
+            return default
+        return self._required_id(config, config[key], key)
+
+    def _required_id(self, config: Dict[str, Any], token: Any, key: str) -> int:
+        piece = token.get("content") if isinstance(token, dict) else token  # Hugging Face writes AddedToken dicts
+        token_id = self.token_to_id(piece) if isinstance(piece, str) else None
+        if token_id is None:
+            raise LlamaError(f"{self.path.parent / CONFIG_NAME}: {key} names {token!r}, which is not a token of {self.path}")
+        return token_id
 
     def encode(self, s: str, bos: bool, eos: bool) -> List[int]:
-        """Token ids of `s`, with the beginning- and end-of-sequence ids added when asked."""
+        """Token ids of `s`, with the beginning- and end-of-sequence ids added when asked.
+
+        `bos` adds nothing for a model whose config says prompts do not start with it. With a Hugging Face
+        tokenizer, special tokens written in the text (such as "<|im_start|>") become their ids.
+        """
         if not isinstance(s, str):
             raise TypeError(f"encode expects a str, got {type(s).__name__}")
-        t = self.sp_model.encode(s)
-        if bos:
+        if self.sp_model is not None:
+            t = self.sp_model.encode(s)
+        else:
+            t = self.hf_tokenizer.encode(s, add_special_tokens=False).ids
+        if bos and self.add_bos:
             t = [self.bos_id] + t
         if eos:
             t = t + [self.eos_id]
@@ -48,4 +124,32 @@ class Tokenizer:
 
     def decode(self, t: Sequence[int]) -> str:
         """The text of token ids; control tokens such as bos and eos decode to nothing."""
-        return self.sp_model.decode(list(t))
+        if self.sp_model is not None:
+            return self.sp_model.decode(list(t))
+        return self.hf_tokenizer.decode(list(t), skip_special_tokens=True)
+
+
+def read_tokenizer_config(path: Path) -> Dict[str, Any]:
+    """The contents of a `tokenizer_config.json`, or {} when there is none."""
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LlamaError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise LlamaError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    if not isinstance(config.get("stop_tokens", []), list):
+        raise LlamaError(f"{path}: stop_tokens must be a list of token strings")
+    return config
+
+
+def _chat_format(config: Dict[str, Any], path: Path) -> str:
+    """The config's chat format, or the one its Jinja chat template evidently writes (LLaMA-2's by default)."""
+    chat_format = config.get("chat_format")
+    if chat_format is None:
+        template = config.get("chat_template") or ""
+        chat_format = "chatml" if "<|im_start|>" in str(template) else "llama2"
+    if chat_format not in CHAT_FORMATS:
+        raise LlamaError(f"{path}: chat_format {chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
+    return chat_format

@@ -87,9 +87,10 @@ def main(
         if not line.strip():
             continue
         candidate = dialog + [{"role": "user", "content": line}]
-        if has_special_tags(candidate):
+        if has_special_tags(candidate, llama.tokenizer.chat_format):
             if main_rank:
-                print("(messages may not contain the chat format's tags such as [INST] or <<SYS>>)", file=sys.stderr)
+                print("(messages may not contain the chat format's own tags, such as [INST] or <|im_start|>)",
+                      file=sys.stderr)
             continue
         prompt = llama.dialog_tokens(candidate)
         room = max_seq_len - len(prompt)
