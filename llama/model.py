@@ -102,6 +102,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.wqkv: Optional[torch.Tensor] = None
+
+    def fuse(self) -> None:
+        """Compute q, k and v with one matrix product: wq, wk and wv become views into one weight."""
+        fused = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]).detach()
+        q, k = self.wq.weight.shape[0], self.wk.weight.shape[0]
+        self.wq.weight = nn.Parameter(fused[:q], requires_grad=False)
+        self.wk.weight = nn.Parameter(fused[q : q + k], requires_grad=False)
+        self.wv.weight = nn.Parameter(fused[q + k :], requires_grad=False)
+        self.wqkv = fused
 
     def forward(
         self,
@@ -114,9 +124,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         n_rep = self.n_heads // self.n_kv_heads
-        xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
-        xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        if self.wqkv is not None:
+            q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            xq, xk, xv = F.linear(x, self.wqkv).split([q, kv, kv], dim=-1)
+        else:
+            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq = xq.view(bsz, seqlen, self.n_heads, self.head_dim)
+        xk = xk.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        xv = xv.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         xq = apply_rotary_emb(xq, cos, sin)
         xk = apply_rotary_emb(xk, cos, sin)
 
@@ -148,8 +163,20 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w13: Optional[torch.Tensor] = None
+
+    def fuse(self) -> None:
+        """Compute the gate and up projections with one matrix product (w1 and w3 become views)."""
+        fused = torch.cat([self.w1.weight, self.w3.weight]).detach()
+        hidden = self.w1.weight.shape[0]
+        self.w1.weight = nn.Parameter(fused[:hidden], requires_grad=False)
+        self.w3.weight = nn.Parameter(fused[hidden:], requires_grad=False)
+        self.w13 = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -184,6 +211,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
+
+    def fuse_projections(self) -> "Transformer":
+        """Fewer, larger matrix products per layer: q/k/v as one, the feed-forward's w1/w3 as one.
+
+        The weights keep Meta's names (as views into the fused ones), so state_dict() is unchanged and no
+        memory is added. Apply after the weights are loaded (and after any model-parallel split).
+        """
+        for layer in self.layers:
+            layer.attention.fuse()
+            layer.feed_forward.fuse()
+        return self
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None) -> List[KVCache]:
         """One empty cache per layer for `batch_size` rows of up to `max_seq_len` positions.
