@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from llama.errors import LlamaError
+from llama.files import read_json_object
 from llama.model import ModelArgs, Transformer
 from llama.sharding import merge_shards, shard_for_rank, shard_state_dict, split_dim
 
@@ -44,14 +45,7 @@ _FLOAT_FIELDS = ("ffn_dim_multiplier", "norm_eps", "rope_theta")
 def read_params(ckpt_dir: Path) -> Dict:
     """The contents of `ckpt_dir/params.json`, checked for unknown fields and wrong types."""
     path = Path(ckpt_dir) / "params.json"
-    if not path.is_file():
-        raise LlamaError(f"{path} does not exist: a checkpoint directory needs params.json beside its weights")
-    try:
-        params = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LlamaError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(params, dict):
-        raise LlamaError(f"{path} must hold a JSON object, not {type(params).__name__}")
+    params = read_json_object(path, "a checkpoint directory needs params.json beside its weights")
     unknown = sorted(set(params) - set(_PARAM_TYPES))
     if unknown:
         # An unknown field may change what the model computes (a new rope scaling, say); ignoring it would

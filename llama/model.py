@@ -1,7 +1,7 @@
 """The LLaMA-2 transformer in plain PyTorch, with Meta's parameter names and an optional KV cache."""
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F

@@ -12,13 +12,13 @@ keys are a subset of Hugging Face's file of the same name, so theirs is read too
 Every key is optional. Without the file a SentencePiece model behaves as Meta's reference does.
 """
 
-import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from sentencepiece import SentencePieceProcessor
 
 from llama.errors import LlamaError
+from llama.files import read_json_object
 
 CONFIG_NAME = "tokenizer_config.json"
 CHAT_FORMATS = ("llama2", "chatml")
@@ -133,12 +133,7 @@ def read_tokenizer_config(path: Path) -> Dict[str, Any]:
     """The contents of a `tokenizer_config.json`, or {} when there is none."""
     if not path.is_file():
         return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LlamaError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise LlamaError(f"{path} must hold a JSON object, not {type(config).__name__}")
+    config = read_json_object(path)
     if not isinstance(config.get("stop_tokens", []), list):
         raise LlamaError(f"{path}: stop_tokens must be a list of token strings")
     return config

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import EXAMPLE_TOKENIZER, build, write_tiny
-from llama.checkpoint import load_checkpoint, model_args, read_params
 from llama.distributed import resolve_device, resolve_dtype
 from llama.errors import LlamaError
 

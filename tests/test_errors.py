@@ -5,7 +5,6 @@ import os
 import resource
 import signal
 import subprocess
-import sys
 import time
 
 import pytest

@@ -1,8 +1,8 @@
 """llama-bench: what the KV cache does to speed, measured: a table, CSV, JSON and a plot."""
 
 import csv
+import io
 import json
-import os
 import platform
 import sys
 import time
@@ -15,6 +15,7 @@ import torch
 from llama.bench import Run, measure
 from llama.cli.common import fail, run
 from llama.cli.loading import build_from_flags, is_main_rank
+from llama.files import write_atomically
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 1024)
 
@@ -119,8 +120,8 @@ def main(
     out = Path(str(out_dir))
     out.mkdir(parents=True, exist_ok=True)
     meta = _environment(llama, ckpt_dir, prompt_tokens)
-    _write_atomically(out / "bench.csv", _csv_text(rows))
-    _write_atomically(out / "bench.json", json.dumps({"environment": meta, "rows": rows,
+    write_atomically(out / "bench.csv", _csv_text(rows))
+    write_atomically(out / "bench.json", json.dumps({"environment": meta, "rows": rows,
                                                       "runs": [r.to_dict() for r in runs]}, indent=1))
     written = [out / "bench.csv", out / "bench.json"]
     if plot:
@@ -177,19 +178,11 @@ def _print_table(rows: List[dict]) -> None:
 
 
 def _csv_text(rows: List[dict]) -> str:
-    import io
-
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _environment(llama, ckpt_dir, prompt_tokens) -> dict:
@@ -245,11 +238,10 @@ def _plot(runs: List[Run], lengths: List[int], path: Path, meta: dict):
     fig.suptitle(f"{meta['checkpoint']} - {meta['device']}, {meta['dtype']}, {meta['threads']} threads, "
                  f"torch {meta['torch']}", fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return write_atomically(path, png.getvalue())
 
 
 def cli() -> None:

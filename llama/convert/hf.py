@@ -15,6 +15,7 @@ import torch
 from llama.checkpoint import save_checkpoint
 from llama.convert.hf_tokenizer import tokenizer_config
 from llama.errors import LlamaError
+from llama.files import read_json_object
 from llama.model import ModelArgs
 
 # Meta's default rounding of the feed-forward width; hidden_dim is written only when it cannot say the width.
@@ -238,12 +239,4 @@ def _vocab(src: Path, files: Dict[str, bytes]) -> Dict[str, int]:
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
-    if not path.is_file():
-        raise LlamaError(f"{path} does not exist; a Hugging Face model directory needs it")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise LlamaError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise LlamaError(f"{path} must hold a JSON object")
-    return value
+    return read_json_object(path, "a Hugging Face model directory needs it")

@@ -6,7 +6,6 @@ LLaMA-2's settings so that SentencePiece encodes and decodes exactly as Meta's o
 """
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
@@ -14,6 +13,7 @@ import gguf
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
 from llama.errors import LlamaError
+from llama.files import write_atomically
 
 _Piece = spm_pb2.ModelProto.SentencePiece
 
@@ -130,20 +130,7 @@ def write_sentencepiece_model(gguf_path: Union[str, os.PathLike], dest_path: Uni
     dest = Path(dest_path)
     if not dest.parent.is_dir():
         raise LlamaError(f"directory {dest.parent} does not exist; create it before writing {dest.name} there")
-    # A temporary file in the same directory, so that os.replace is a rename within one file system and a
-    # reader never sees a half-written model.
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # mkstemp makes the file private (0600); a tokenizer model is no secret, so give it the usual mode.
-            os.fchmod(f.fileno(), 0o644)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, dest)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    write_atomically(dest, data)
     return dest
 
 

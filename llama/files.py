@@ -1,0 +1,51 @@
+"""Small file helpers every reader and writer shares: JSON objects in, whole files out."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Union
+
+from llama.errors import LlamaError
+
+
+def read_json_object(path: Path, missing: str = "") -> Dict[str, Any]:
+    """The JSON object in `path`; a missing file, bad JSON or a non-object is a LlamaError naming it.
+
+    Args:
+        path: the file.
+        missing: what to add to the "does not exist" message, e.g. why the file is needed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise LlamaError(f"{path} does not exist" + (f": {missing}" if missing else ""))
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LlamaError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise LlamaError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def write_atomically(path: Path, data: Union[bytes, str]) -> Path:
+    """Write a whole file so that a reader sees the old file or the new one, never half of it.
+
+    The data goes to a temporary file in the same directory (so the final rename stays within one file
+    system), flushed to disk, then renamed over `path`.
+    """
+    path = Path(path)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp makes files owner-only; these are ordinary data
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return path
