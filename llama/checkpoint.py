@@ -7,6 +7,7 @@ A checkpoint directory holds:
 """
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -38,6 +39,8 @@ PRESETS = {
 
 _RUN_FIELDS = ("max_batch_size", "max_seq_len")
 _PARAM_TYPES = {f.name: f.type for f in fields(ModelArgs) if f.name not in _RUN_FIELDS}
+_INT_LIMITS = {"dim": 1 << 16, "n_layers": 1024, "n_heads": 1024, "n_kv_heads": 1024, "vocab_size": 1 << 22,
+               "multiple_of": 1 << 16, "hidden_dim": 1 << 20}
 _INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "hidden_dim")
 _FLOAT_FIELDS = ("ffn_dim_multiplier", "norm_eps", "rope_theta")
 
@@ -75,20 +78,36 @@ def model_args(params: Dict, max_seq_len: int, max_batch_size: int, tokenizer_vo
             f"the tokenizer has {tokenizer_vocab} tokens but the model only {args.vocab_size}: "
             "they do not belong together"
         )
-    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of"):
-        if getattr(args, name) <= 0:
-            raise LlamaError(f"{source}: {name} must be positive, not {getattr(args, name)}")
+    # Upper bounds far above any real model (LLaMA-2 70B: dim 8192, 80 layers, 28672-wide feed-forward), so
+    # that a damaged file fails here rather than in a huge allocation or an endless model build.
+    for name, limit in _INT_LIMITS.items():
+        value = getattr(args, name)
+        if value is not None and not 0 < value <= limit:
+            raise LlamaError(f"{source}: {name} must be between 1 and {limit}, not {value}")
+    for name in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
+        value = getattr(args, name)
+        if value is not None and not (_finite(value) and value > 0):
+            raise LlamaError(f"{source}: {name} must be a positive finite number, not {value}")
+    if args.ffn_dim_multiplier is not None and args.ffn_dim_multiplier > 16:
+        raise LlamaError(f"{source}: ffn_dim_multiplier {args.ffn_dim_multiplier} is implausible (LLaMA-2 70B uses 1.3)")
+    if not 0 < args.ffn_hidden_dim <= _INT_LIMITS["hidden_dim"]:
+        raise LlamaError(f"{source}: the feed-forward width works out to {args.ffn_hidden_dim}, which is not sensible")
     if args.dim % args.n_heads:
         raise LlamaError(f"{source}: dim {args.dim} is not divisible by n_heads {args.n_heads}")
     if args.n_heads % args.n_kv_heads:
         raise LlamaError(f"{source}: n_heads {args.n_heads} is not divisible by n_kv_heads {args.n_kv_heads}")
     if args.head_dim % 2:
         raise LlamaError(f"{source}: head width dim / n_heads = {args.head_dim} must be even for rotary embeddings")
-    if args.hidden_dim is not None and args.hidden_dim <= 0:
-        raise LlamaError(f"{source}: hidden_dim must be positive, not {args.hidden_dim}")
     if max_seq_len <= 0 or max_batch_size <= 0:
         raise LlamaError(f"max_seq_len and max_batch_size must be positive, not {max_seq_len} and {max_batch_size}")
     return args
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large to be a float
+        return False
 
 
 def shard_paths(ckpt_dir: Path) -> List[Path]:

@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from llama.checkpoint import save_checkpoint
+from llama.checkpoint import check_state_dict, expected_shapes, model_args, save_checkpoint
+from llama.convert.gguf_scan import check_gguf_structure
 from llama.convert.hf import check_dest, meta_params, tied_output
 from llama.convert.hf_tokenizer import byte_level_tokenizer_json, tokenizer_config
 from llama.errors import LlamaError
@@ -52,11 +53,20 @@ def read_gguf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[
     src = Path(src)
     if not src.is_file():
         raise LlamaError(f"GGUF file {src} does not exist; check the path")
+    check_gguf_structure(src)
     try:
-        reader = gguf.GGUFReader(src)
-    except (ValueError, OSError, IndexError) as e:
-        # The reader memory-maps the file and fails to reshape a tensor that runs past its end.
-        raise LlamaError(f"{src} is not a complete GGUF file ({e}); download it again") from None
+        return _read_gguf(src, gguf)
+    except LlamaError:
+        raise
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as e:
+        # What a damaged file makes the gguf package or numpy raise: tensors running past the end of the
+        # mapped file, duplicate keys, undecodable strings, impossible shapes.
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise LlamaError(f"{src} is not a valid GGUF file ({reason}); download it again") from None
+
+
+def _read_gguf(src: Path, gguf: Any) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, bytes]]:
+    reader = gguf.GGUFReader(src)
     meta = _Metadata(reader, src)
     arch = meta.get("general.architecture")
     if arch != ARCHITECTURE:
@@ -75,6 +85,8 @@ def read_gguf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[
     tied_output(state_dict)
 
     dim, n_heads = meta.require(f"{arch}.embedding_length"), meta.require(f"{arch}.attention.head_count")
+    if not (isinstance(dim, int) and isinstance(n_heads, int) and dim > 0 and n_heads > 0):
+        raise LlamaError(f"{src} gives embedding_length {dim} and head_count {n_heads}; both must be positive")
     tokens = meta.get("tokenizer.ggml.tokens")
     embeddings = state_dict.get("tok_embeddings.weight")
     if embeddings is None:
@@ -92,6 +104,9 @@ def read_gguf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[
     )
     if tokens is None:
         raise LlamaError(f"{src} carries no tokenizer vocabulary (tokenizer.ggml.tokens); it cannot be run without one")
+    # The metadata must describe the tensors the file holds, or the checkpoint would convert but never load.
+    args = model_args(params, max_seq_len=1, max_batch_size=1, source=str(src))
+    check_state_dict(state_dict, expected_shapes(args), str(src))
     return params, state_dict, _tokenizer_files(meta, src, tokens)
 
 
