@@ -128,7 +128,8 @@ class Llama:
         state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
         model.load_state_dict(state_dict, strict=True, assign=True)
         model.requires_grad_(False).eval()
-        model.fuse_projections()
+        if device.type == "cpu":
+            model.use_column_major_weights()
         llama = Llama(model, tokenizer, seed=seed)
         llama.rank, llama.world_size = rank, world_size
         llama.load_seconds = time.perf_counter() - start

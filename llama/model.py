@@ -59,36 +59,34 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the activations' dtype, as Meta's reference does.
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in float32 whatever the activations' dtype, as Meta's reference does; F.rms_norm is one
+        # kernel where Meta's formula is five.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return normed.type_as(x) * self.weight
 
 
-def rope_angles(head_dim: int, theta: float, start_pos: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    """Rotation angles for positions start_pos .. start_pos + seqlen - 1: (seqlen, head_dim // 2), float32.
+def rope_cis(head_dim: int, theta: float, start_pos: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """e^(i * position * frequency) for positions start_pos .. start_pos + seqlen - 1: (seqlen, head_dim // 2) complex64.
 
     Computed for the positions at hand on every call, in float32, so casting the model to bf16 never
     rounds them and no table has to be kept on the right device.
     """
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim))
     t = torch.arange(start_pos, start_pos + seqlen, device=device, dtype=torch.float32)
-    return torch.outer(t, freqs)
+    angles = torch.outer(t, freqs)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head: Meta's interleaved layout.
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent pair (x[2i], x[2i+1]) of every head, read as one complex number: Meta's layout.
 
     Args:
         x: (bsz, seqlen, n_heads, head_dim).
-        cos, sin: (seqlen, head_dim // 2).
+        freqs_cis: (seqlen, head_dim // 2) complex rotations.
     """
-    pairs = x.float().unflatten(-1, (-1, 2))  # (bsz, seqlen, n_heads, head_dim // 2, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos = cos[None, :, None, :]  # (1, seqlen, 1, head_dim // 2)
-    sin = sin[None, :, None, :]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)  # (bsz, seqlen, n_heads, head_dim)
+    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (bsz, seqlen, n_heads, head_dim // 2)
+    rotated = torch.view_as_real(x_complex * freqs_cis[None, :, None, :])  # (bsz, seqlen, n_heads, head_dim // 2, 2)
+    return rotated.flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -102,38 +100,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.wqkv: Optional[torch.Tensor] = None
-
-    def fuse(self) -> None:
-        """Compute q, k and v with one matrix product: wq, wk and wv become views into one weight."""
-        fused = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]).detach()
-        q, k = self.wq.weight.shape[0], self.wk.weight.shape[0]
-        self.wq.weight = nn.Parameter(fused[:q], requires_grad=False)
-        self.wk.weight = nn.Parameter(fused[q : q + k], requires_grad=False)
-        self.wv.weight = nn.Parameter(fused[q + k :], requires_grad=False)
-        self.wqkv = fused
 
     def forward(
         self,
         x: torch.Tensor,
         start_pos: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        freqs_cis: torch.Tensor,
         mask: Optional[torch.Tensor],
         cache: Optional[KVCache],
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         n_rep = self.n_heads // self.n_kv_heads
-        if self.wqkv is not None:
-            q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            xq, xk, xv = F.linear(x, self.wqkv).split([q, kv, kv], dim=-1)
-        else:
-            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
-        xq = xq.view(bsz, seqlen, self.n_heads, self.head_dim)
-        xk = xk.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        xv = xv.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        xq = apply_rotary_emb(xq, cos, sin)
-        xk = apply_rotary_emb(xk, cos, sin)
+        xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
+        xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        xq = apply_rotary_emb(xq, freqs_cis)
+        xk = apply_rotary_emb(xk, freqs_cis)
 
         keys = xk.transpose(1, 2)  # (bsz, n_kv_heads, seqlen, head_dim)
         values = xv.transpose(1, 2)
@@ -163,20 +145,8 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w13: Optional[torch.Tensor] = None
-
-    def fuse(self) -> None:
-        """Compute the gate and up projections with one matrix product (w1 and w3 become views)."""
-        fused = torch.cat([self.w1.weight, self.w3.weight]).detach()
-        hidden = self.w1.weight.shape[0]
-        self.w1.weight = nn.Parameter(fused[:hidden], requires_grad=False)
-        self.w3.weight = nn.Parameter(fused[hidden:], requires_grad=False)
-        self.w13 = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w13 is not None:
-            gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -189,8 +159,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, start_pos, cos, sin, mask, cache):
-        h = x + self.attention(self.attention_norm(x), start_pos, cos, sin, mask, cache)
+    def forward(self, x, start_pos, freqs_cis, mask, cache):
+        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask, cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -212,15 +182,17 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
 
-    def fuse_projections(self) -> "Transformer":
-        """Fewer, larger matrix products per layer: q/k/v as one, the feed-forward's w1/w3 as one.
+    def use_column_major_weights(self) -> "Transformer":
+        """Store each projection with more outputs than inputs transposed in memory (same values, same names).
 
-        The weights keep Meta's names (as views into the fused ones), so state_dict() is unchanged and no
-        memory is added. Apply after the weights are loaded (and after any model-parallel split).
+        On the CPU, decoding multiplies one row of activations by each weight matrix, and MKL's kernel for
+        that runs about twice as fast (measured: 17 against 9 GB/s for the 49152 x 576 output layer) when a
+        wide matrix is laid out input-major. F.linear accepts the transposed view as it is, so forward and
+        state_dict() are unchanged; narrow matrices are faster as they are and stay.
         """
-        for layer in self.layers:
-            layer.attention.fuse()
-            layer.feed_forward.fuse()
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.out_features >= module.in_features:
+                module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
         return self
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None) -> List[KVCache]:
@@ -261,8 +233,7 @@ class Transformer(nn.Module):
             raise ValueError(f"expected {self.n_layers} layer caches, got {len(cache)}")
         bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)  # (bsz, seqlen, dim)
-        angles = rope_angles(self.params.head_dim, self.params.rope_theta, start_pos, seqlen, tokens.device)
-        cos, sin = angles.cos(), angles.sin()
+        freqs_cis = rope_cis(self.params.head_dim, self.params.rope_theta, start_pos, seqlen, tokens.device)
 
         mask = None
         if seqlen > 1:
@@ -272,7 +243,7 @@ class Transformer(nn.Module):
             mask = torch.hstack([torch.zeros((seqlen, start_pos), device=tokens.device), causal]).type_as(h)
 
         for i, layer in enumerate(self.layers):
-            h = layer(h, start_pos, cos, sin, mask, None if cache is None else cache[i])
+            h = layer(h, start_pos, freqs_cis, mask, None if cache is None else cache[i])
         if num_logits is not None:
             h = h[:, -num_logits:]
         return self.output(self.norm(h)).float()

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_args
 from llama.checkpoint import PRESETS, model_args, random_state_dict
 from llama.kv_cache import KVCache
-from llama.model import Transformer, apply_rotary_emb, rope_angles
+from llama.model import Transformer, apply_rotary_emb, rope_cis
 from reference import reference_logits
 
 
@@ -37,17 +37,19 @@ def test_hidden_dim_overrides_metas_rule():
     assert tiny_args().ffn_hidden_dim == 192  # 2/3 * 256 = 170, rounded up to a multiple of 32
 
 
-def test_rotary_matches_metas_complex_formulation():
+def test_rotary_rotates_adjacent_pairs_by_position_times_frequency():
+    """Meta's interleaved layout, written out in real arithmetic: pair i of a head at position p turns by
+    p * theta^(-2i / head_dim)."""
     torch.manual_seed(0)
     x = torch.randn(2, 5, 3, 16)
     start_pos, theta = 7, 10000.0
-    angles = rope_angles(16, theta, start_pos, 5, x.device)
-    ours = apply_rotary_emb(x, angles.cos(), angles.sin())
-    # Meta: consecutive pairs are complex numbers, multiplied by e^{i * pos * freq}.
-    freqs = 1.0 / (theta ** (torch.arange(0, 16, 2).float() / 16))
-    cis = torch.polar(torch.ones(5, 8), torch.outer(torch.arange(start_pos, start_pos + 5).float(), freqs))
-    meta = torch.view_as_real(torch.view_as_complex(x.reshape(2, 5, 3, 8, 2)) * cis[None, :, None]).flatten(-2)
-    torch.testing.assert_close(ours, meta, rtol=0, atol=1e-6)
+    ours = apply_rotary_emb(x, rope_cis(16, theta, start_pos, 5, x.device))
+    pos = torch.arange(start_pos, start_pos + 5).float()[None, :, None, None]
+    freqs = theta ** (-torch.arange(0, 16, 2).float() / 16)
+    angle = pos * freqs  # (1, 5, 1, 8)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    expected = torch.stack((even * angle.cos() - odd * angle.sin(), even * angle.sin() + odd * angle.cos()), -1).flatten(-2)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
 
 
 def test_rotary_scores_depend_only_on_relative_position():
@@ -55,8 +57,8 @@ def test_rotary_scores_depend_only_on_relative_position():
     q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
 
     def score(m, n):
-        am, an = rope_angles(32, 10000.0, m, 1, q.device), rope_angles(32, 10000.0, n, 1, q.device)
-        return (apply_rotary_emb(q, am.cos(), am.sin()) * apply_rotary_emb(k, an.cos(), an.sin())).sum()
+        return (apply_rotary_emb(q, rope_cis(32, 10000.0, m, 1, q.device)) *
+                apply_rotary_emb(k, rope_cis(32, 10000.0, n, 1, q.device))).sum()
 
     torch.testing.assert_close(score(5, 2), score(105, 102), rtol=0, atol=1e-4)
     assert not torch.allclose(score(5, 2), score(5, 3), atol=1e-3)
