@@ -262,7 +262,12 @@ def save_checkpoint(ckpt_dir: Path, params: Dict, state_dict: Dict[str, torch.Te
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
 
-    _write_dir_atomically(Path(ckpt_dir), write, overwrite)
+    try:
+        _write_dir_atomically(Path(ckpt_dir), write, overwrite)
+    except (OSError, RuntimeError) as e:
+        # torch.save reports a failed write (a full disk, a file-size limit) as a RuntimeError.
+        reason = getattr(e, "strerror", None) or "a write failed"
+        raise LlamaError(f"could not write {ckpt_dir} ({reason}); is the disk full? Nothing was left behind") from None
     return Path(ckpt_dir)
 
 

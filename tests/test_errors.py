@@ -131,3 +131,43 @@ def test_memory_does_not_grow_over_many_generate_calls(gqa_ckpt):
         llama.generate(prompts, 16, temperature=0.8, kv_cache=i % 2 == 0, logprobs=True)
     grown = rss() - before
     assert grown < 20 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB over 300 calls"
+
+
+def _limit_file_size(max_bytes):
+    def apply():
+        # A file-size limit makes writes fail with EFBIG, as a full disk fails them with ENOSPC.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+    return apply
+
+
+def test_a_full_disk_during_convert_leaves_nothing(tmp_path):
+    from gguf_writer import write_llama_gguf
+
+    src = tmp_path / "model.gguf"
+    write_llama_gguf(src)
+    dest = tmp_path / "out" / "ckpt"
+    result = subprocess.run([str(BIN / "llama-convert"), str(src), str(dest)], capture_output=True, text=True,
+                            timeout=300, preexec_fn=_limit_file_size(64 * 1024))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]  # after the "converting ..." progress line
+    assert last.startswith("error: could not write") and "is the disk full" in last
+    assert not dest.exists()
+    assert list((tmp_path / "out").iterdir()) == []  # no staging directory left behind either
+    ok = subprocess.run([str(BIN / "llama-convert"), str(src), str(dest)], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith(str(dest))
+
+
+def test_an_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
+    from llama.checkpoint import save_checkpoint
+
+    calls = []
+
+    def interrupted_save(obj, path, *args, **kwargs):
+        calls.append(path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "ckpt", {"dim": 8}, {"norm.weight": torch.ones(8)})
+    assert calls and not (tmp_path / "ckpt").exists() and list(tmp_path.iterdir()) == []
