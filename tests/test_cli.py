@@ -142,6 +142,12 @@ def test_bad_arguments_give_a_one_line_error(gqa_ckpt, args, fragments):
     assert_one_line_error(run("llama-generate", *args), *fragments)
 
 
+def test_debug_shows_the_traceback(tmp_path):
+    result = run("llama-generate", "--prompt", "hi", "--ckpt-dir", tmp_path / "missing", "--debug")
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
 def test_bad_prompts_files(gqa_ckpt, tmp_path):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\xe9\n".encode("latin-1"))
