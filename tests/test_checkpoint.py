@@ -108,24 +108,6 @@ def test_truncated_weights_are_refused(tmp_path):
         build(path)
 
 
-class _CreatesAFile:
-    def __init__(self, target):
-        self.target = target
-
-    def __reduce__(self):
-        return (open, (self.target, "w"))
-
-
-def test_a_pickle_that_would_run_code_is_refused_without_running_it(tmp_path):
-    path, _ = write_tiny(tmp_path / "ckpt")
-    target = tmp_path / "pwned"
-    torch.save({"tok_embeddings.weight": _CreatesAFile(str(target))}, path / "consolidated.00.pth")
-    assert not target.exists()
-    with pytest.raises(LlamaError, match="could run code"):
-        build(path)
-    assert not target.exists()
-
-
 def test_device_and_dtype_defaults():
     device = resolve_device(None)
     assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
