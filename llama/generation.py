@@ -66,6 +66,11 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: Op
 
 
 def check_sampling(temperature: float, top_p: float, max_gen_len: int) -> None:
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("max_gen_len", max_gen_len)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise LlamaError(f"{name} must be a number, not {value!r}")
+    if not isinstance(max_gen_len, int):
+        raise LlamaError(f"max_gen_len must be a whole number, not {max_gen_len!r}")
     if not temperature >= 0:  # also catches NaN
         raise LlamaError(f"temperature must be 0 (greedy) or more, not {temperature}")
     if not 0 < top_p <= 1:
@@ -194,6 +199,10 @@ class Llama:
         total_len = min(params.max_seq_len, max_gen_len + max_prompt_len)
 
         device = self.device
+        # The token, mask and logprob buffers, and the cache: refuse before allocating what cannot fit.
+        n_bytes = bsz * total_len * (8 + 1 + (4 if logprobs else 0))
+        n_bytes += self.model.kv_cache_nbytes(bsz, total_len) if kv_cache else 0
+        check_fits(n_bytes, device, f"generating {bsz} x {total_len} positions{' with a KV cache' if kv_cache else ''}")
         tokens = torch.zeros((bsz, total_len), dtype=torch.long, device=device)
         prompt_mask = torch.zeros((bsz, total_len), dtype=torch.bool, device=device)
         for k, t in enumerate(prompt_tokens):

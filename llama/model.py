@@ -191,9 +191,14 @@ class Transformer(nn.Module):
         state_dict() are unchanged; narrow matrices are faster as they are and stay.
         """
         for module in self.modules():
-            if isinstance(module, nn.Linear) and module.out_features >= module.in_features:
+            if isinstance(module, nn.Linear) and module.weight.shape[0] >= module.weight.shape[1]:
                 module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
         return self
+
+    def kv_cache_nbytes(self, batch_size: int, max_seq_len: int) -> int:
+        """Bytes that `new_kv_cache(batch_size, max_seq_len)` would allocate."""
+        per_position = sum(2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in self.layers)
+        return per_position * batch_size * max_seq_len * self.tok_embeddings.weight.element_size()
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None) -> List[KVCache]:
         """One empty cache per layer for `batch_size` rows of up to `max_seq_len` positions.

@@ -112,6 +112,10 @@ class Tokenizer:
         """
         if not isinstance(s, str):
             raise TypeError(f"encode expects a str, got {type(s).__name__}")
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8, smuggled through the command line
+            raise LlamaError("the text is not valid UTF-8; save it as UTF-8 and try again") from None
         if self.sp_model is not None:
             t = self.sp_model.encode(s)
         else:

@@ -135,6 +135,9 @@ def test_stream_decoding_holds_back_split_characters():
     (["--prompt", "hi", "--max-gen-len", "0"], ["max-gen-len"]),
     (["--prompt", "hi", "--dtype", "int4"], ["dtype"]),
     (["--prompt", "hi", "--device", "tpu"], ["device"]),
+    (["--prompt", "hi", "--temperature", "abc"], ["--temperature takes a number, not 'abc'"]),
+    (["--prompt", "hi", "--max-gen-len", "2.5"], ["--max-gen-len takes a whole number"]),
+    (["--prompt", "hi", "--echo=yes"], ["--echo is a switch"]),
 ])
 def test_bad_arguments_give_a_one_line_error(gqa_ckpt, args, fragments):
     if "--ckpt-dir" not in args:
@@ -146,6 +149,19 @@ def test_debug_shows_the_traceback(tmp_path):
     result = run("llama-generate", "--prompt", "hi", "--ckpt-dir", tmp_path / "missing", "--debug")
     assert result.returncode == 1
     assert "Traceback" in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_text_that_is_not_utf8_is_refused(gqa_ckpt):
+    result = subprocess.run([str(BIN / "llama-generate"), "--ckpt-dir", str(gqa_ckpt), "--prompt", b"caf\xe9"],
+                            capture_output=True, text=True, timeout=300)
+    assert_one_line_error(result, "not valid UTF-8")
+
+
+def test_stream_needs_a_single_prompt(gqa_ckpt, tmp_path):
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("a\nb\n")
+    assert_one_line_error(generate(gqa_ckpt, "--prompts-file", prompts, "--stream"), "--stream")
+    assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--stream", "--json"), "--json")
 
 
 def test_bad_prompts_files(gqa_ckpt, tmp_path):

@@ -83,6 +83,12 @@ def test_not_enough_memory_is_said_before_loading(tmp_path):
     assert_one_line_error(result, "the model's weights in float32 needs", "GiB on cpu but only")
 
 
+def test_a_kv_cache_that_cannot_fit_is_refused_before_allocating(gqa_ckpt):
+    llama = build(gqa_ckpt, max_seq_len=10**10, max_batch_size=8)
+    with pytest.raises(LlamaError, match=r"generating 8 x \d+ positions with a KV cache needs .* GiB on cpu but only"):
+        llama.generate([[1, 2]] * 8, 10**10 - 2)
+
+
 def test_nan_logits_are_a_clear_error(gqa_ckpt):
     llama = build(gqa_ckpt)
     with torch.no_grad():

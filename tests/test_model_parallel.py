@@ -65,8 +65,9 @@ def test_one_shard_on_two_processes_is_split_on_load(checkpoints, prompts_file, 
     assert_same(generate(checkpoints[1], prompts_file, nproc=2, kv_cache=kv_cache), single_process)
 
 
-def test_four_shards_on_two_processes_are_merged_and_resplit(checkpoints, prompts_file, single_process):
-    assert_same(generate(checkpoints[4], prompts_file, nproc=2), single_process)
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])
+def test_four_shards_on_two_processes_are_merged_and_resplit(checkpoints, prompts_file, single_process, kv_cache):
+    assert_same(generate(checkpoints[4], prompts_file, nproc=2, kv_cache=kv_cache), single_process)
 
 
 @pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])

@@ -21,6 +21,8 @@ def _read_line(llama) -> Optional[str]:
             line = input("> " if sys.stdin.isatty() else "")
         except EOFError:
             line = None
+        except UnicodeDecodeError:
+            fail("the input is not UTF-8 text")
     if llama.world_size > 1:
         import torch.distributed as dist
 

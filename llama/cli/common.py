@@ -1,5 +1,7 @@
 """What every command shares: one-line errors instead of tracebacks, and exit statuses."""
 
+import functools
+import inspect
 import os
 import sys
 import traceback
@@ -40,6 +42,33 @@ def quote_raw_strings(argv: List[str], flags: Sequence[str]) -> List[str]:
     return out
 
 
+def checked_types(main: Callable) -> Callable:
+    """Wrap `main` so a flag annotated int, float or bool that fire parsed as something else (`--seed abc`,
+    `--max-gen-len 1e3.5`) is a one-line error rather than a TypeError deep inside."""
+    sig = inspect.signature(main)
+
+    @functools.wraps(main)
+    def checked(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        for name, value in bound.arguments.items():
+            param = sig.parameters[name]
+            if value is param.default:  # fire passes the defaults along with what was given
+                continue
+            kind, flag = param.annotation, "--" + name.replace("_", "-")
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if kind is int and not (is_number and float(value).is_integer()):
+                fail(f"{flag} takes a whole number, not {value!r}")
+            if kind is int:
+                bound.arguments[name] = int(value)
+            elif kind is float and not is_number:
+                fail(f"{flag} takes a number, not {value!r}")
+            elif kind is bool and not isinstance(value, bool):
+                fail(f"{flag} is a switch: give it alone (or --no{name}), not with the value {value!r}")
+        return main(*bound.args, **bound.kwargs)
+
+    return checked
+
+
 def run(main: Callable, name: str, raw_string_flags: Sequence[str] = ()) -> None:
     """Run a fire-based `main`; mistakes become `error: ...` on stderr and exit 1, Ctrl-C exits 130.
 
@@ -48,7 +77,7 @@ def run(main: Callable, name: str, raw_string_flags: Sequence[str] = ()) -> None
     debug = "--debug" in sys.argv or os.environ.get("LLAMA_DEBUG") == "1"
     argv = quote_raw_strings([a for a in sys.argv[1:] if a != "--debug"], raw_string_flags)
     try:
-        fire.Fire(main, command=argv, name=name)
+        fire.Fire(checked_types(main), command=argv, name=name)
     except KeyboardInterrupt:
         sys.stdout.flush()
         print("\ninterrupted", file=sys.stderr)

@@ -107,6 +107,8 @@ def main(
                 prompt_tokens[i] = cut
     if stream is None:
         stream = len(prompts) == 1 and not json and sys.stdout.isatty()
+    elif stream and (len(prompts) > 1 or json):
+        fail("--stream prints one prompt's text as it comes; it cannot be used with several prompts or --json")
     streamer = TextStream(tokenizer, prompt_tokens[0] if echo else [], sys.stdout) if stream and main_rank else None
 
     step_times: List[float] = []

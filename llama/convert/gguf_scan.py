@@ -5,6 +5,8 @@ billions of array items or slice far past the end of the file. This scan walks t
 count and length checked against the bytes that remain, so a damaged file is refused in milliseconds.
 """
 
+import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -69,7 +71,18 @@ def _skip_value(cur: _Cursor, vtype: int, depth: int = 0) -> None:
 def check_gguf_structure(src: Path) -> None:
     """Raise LlamaError unless the header, metadata and tensor table of `src` are well formed and in bounds."""
     with open(src, "rb") as f:
-        data = memoryview(f.read())
+        if os.fstat(f.fileno()).st_size == 0:
+            raise LlamaError(f"{src} is empty, not a GGUF file")
+        # Mapped, not read: only the header's pages are touched, however many gigabytes follow.
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                _check(view, src)
+            finally:
+                view.release()  # the map cannot close while a view of it is alive (an exception's frames keep one)
+
+
+def _check(data: memoryview, src: Path) -> None:
     cur = _Cursor(data, src)
     if bytes(data[:4]) != _MAGIC:
         raise LlamaError(f"{src} is not a GGUF file (it does not start with 'GGUF')")

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from llama.checkpoint import save_checkpoint
+from llama.checkpoint import check_state_dict, expected_shapes, model_args, save_checkpoint
 from llama.convert.hf_tokenizer import tokenizer_config
 from llama.errors import LlamaError
 from llama.files import read_json_object
@@ -124,6 +124,9 @@ def read_hf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[st
         # A tied model's lm_head, if saved at all, is the embedding itself.
         state_dict.pop("output.weight", None)
         tied_output(state_dict)
+    # The config must describe the tensors the directory holds, or the checkpoint would convert but never load.
+    args = model_args(params, max_seq_len=1, max_batch_size=1, source=str(src / "config.json"))
+    check_state_dict(state_dict, expected_shapes(args), str(src))
     return params, state_dict, _tokenizer_files(src, config)
 
 
