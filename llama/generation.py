@@ -313,8 +313,8 @@ class Llama:
         """
         if max_gen_len is None:
             max_gen_len = self.model.params.max_seq_len - 1
+        prompt_tokens = [self.dialog_tokens(d) for d in dialogs]  # checks each dialog's shape first
         unsafe = [has_special_tags(d, self.tokenizer.chat_format) for d in dialogs]
-        prompt_tokens = [self.dialog_tokens(d) for d in dialogs]
         generation_tokens, generation_logprobs = self.generate(
             prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo=False, kv_cache=kv_cache
         )
