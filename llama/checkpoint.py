@@ -213,11 +213,20 @@ def find_tokenizer(ckpt_dir: Path) -> Path:
     )
 
 
+def check_dest(dest: Path, overwrite: bool) -> None:
+    """Refuse a destination that holds something, unless asked to overwrite it.
+
+    Converters call this before their slow work; the atomic writer calls it again when it writes.
+    """
+    dest = Path(dest)
+    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
+        raise LlamaError(f"{dest} already exists and is not empty; choose a new directory or pass --overwrite")
+
+
 def _write_dir_atomically(dest: Path, write, overwrite: bool) -> None:
     """Run write(tmp_dir), then rename the finished directory to `dest`; nothing appears under `dest` on failure."""
     dest = Path(dest)
-    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-        raise LlamaError(f"{dest} already exists and is not empty")
+    check_dest(dest, overwrite)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
     try:

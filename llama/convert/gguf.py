@@ -13,9 +13,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from llama.checkpoint import check_state_dict, expected_shapes, model_args, save_checkpoint
+from llama.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
 from llama.convert.gguf_scan import check_gguf_structure
-from llama.convert.hf import check_dest, meta_params, tied_output
+from llama.convert.hf import meta_params, tied_output
 from llama.convert.hf_tokenizer import byte_level_tokenizer_json, tokenizer_config
 from llama.errors import LlamaError
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from llama.checkpoint import check_state_dict, expected_shapes, model_args, save_checkpoint
+from llama.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
 from llama.convert.hf_tokenizer import tokenizer_config
 from llama.errors import LlamaError
 from llama.files import read_json_object
@@ -139,13 +139,6 @@ def convert_hf(src: Path, dest: Path, overwrite: bool = False) -> Path:
     check_dest(dest, overwrite)
     params, state_dict, files = read_hf(src)
     return save_checkpoint(dest, params, state_dict, overwrite=overwrite, extra_files=files)
-
-
-def check_dest(dest: Path, overwrite: bool) -> None:
-    """Fail before the slow work when `dest` is taken; save_checkpoint checks again when it writes."""
-    dest = Path(dest)
-    if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-        raise LlamaError(f"{dest} already exists and is not empty; choose a new directory or pass --overwrite")
 
 
 def _meta_name(name: str, src: Path) -> str:
