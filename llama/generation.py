@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.checkpoint import find_tokenizer, load_checkpoint, model_args, read_params
+from llama.compile import compile_step
 from llama.distributed import check_fits, init_distributed, local_device, resolve_device, resolve_dtype
 from llama.errors import LlamaError
 from llama.model import Transformer
@@ -92,6 +93,7 @@ class Llama:
         seed: int = 1,
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[Union[str, torch.dtype]] = None,
+        compile: bool = False,
     ) -> "Llama":
         """Load a checkpoint in Meta's layout.
 
@@ -107,6 +109,10 @@ class Llama:
             device: "cpu", "cuda", "cuda:N"; None picks CUDA when present, else CPU.
             dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
                 unsupported) and float32 on CPU.
+            compile: compile the generation steps after the prompt with torch.compile (see
+                llama/compile.py). The first step of the first call compiles (about a minute on a 2-core
+                CPU; Inductor caches the result on disk, so later processes start faster); every step after
+                that runs faster. Needs a C++ compiler on the CPU; one process only.
 
         Raises:
             LlamaError: a file is missing or malformed, or the weights do not match params.json.
@@ -114,6 +120,8 @@ class Llama:
         device = local_device(resolve_device(device))
         dtype = resolve_dtype(dtype, device)
         rank, world_size = init_distributed(device, model_parallel_size)
+        if compile and world_size > 1:
+            raise LlamaError(f"--compile runs in one process, not under torchrun with {world_size} processes")
         ckpt_dir = Path(ckpt_dir)
         params = read_params(ckpt_dir)
         tokenizer = Tokenizer(str(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir)))
@@ -133,9 +141,13 @@ class Llama:
         state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
         model.load_state_dict(state_dict, strict=True, assign=True)
         model.requires_grad_(False).eval()
-        if device.type == "cpu":
-            model.use_column_major_weights()
+        if device.type == "cpu" and not compile:
+            model.use_column_major_weights()  # the compiled step reads weights row by row, as they load
         llama = Llama(model, tokenizer, seed=seed)
+        if compile:
+            compile_start = time.perf_counter()
+            llama.compiled_step = compile_step(model)
+            llama.compile_seconds = time.perf_counter() - compile_start
         llama.rank, llama.world_size = rank, world_size
         llama.load_seconds = time.perf_counter() - start
         return llama
@@ -148,6 +160,8 @@ class Llama:
         self.load_seconds = 0.0
         self.last_kv_cache_bytes = 0
         self.rank, self.world_size = 0, 1
+        self.compiled_step = None  # set by build(compile=True): runs the steps after the prompt
+        self.compile_seconds = 0.0
 
     @torch.inference_mode()
     def generate(
@@ -225,10 +239,12 @@ class Llama:
         for cur_pos in range(min_prompt_len, total_len):
             # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
             num_logits = cur_pos - prev_pos if logprobs else 1
+            # The prompt runs eagerly, so that a new prompt length never costs a compilation.
+            forward = self.compiled_step if self.compiled_step is not None and prev_pos > 0 else self.model
             if kv_cache:
-                logits = self.model(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
+                logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
             else:
-                logits = self.model(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
+                logits = forward(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
             if not torch.isfinite(logits[:, -1]).all():
                 raise LlamaError(
                     f"the model produced NaN or infinite logits at position {cur_pos - 1}; the weights may be "

@@ -1,11 +1,12 @@
 """Decode speed of this project against Hugging Face transformers, on the same weights, in one process.
 
-    python scripts/compare_transformers.py [--new_tokens 128,512] [--repeats 3] [--threads 2]
+    python scripts/compare_transformers.py [--new_tokens 128,512] [--repeats 3] [--threads 2] [--nocompile]
 
 Both load the default model (SmolLM2-135M-Instruct, from the same GGUF) in float32 on the CPU and decode
-greedily at batch 1 from the same prompt token ids, each with its KV cache. Runs alternate (ours, theirs,
-ours, theirs, ...) so that drift in the machine's speed hits both alike; each figure is the median of
---repeats runs. Decode tokens/s counts the steps after the first new token, timed the same way for both
+greedily at batch 1 from the same prompt token ids, each with its KV cache. Ours runs twice: eager (the
+default) and with --compile (compiled before any timing). Runs alternate (ours, ours compiled, theirs,
+ours, ...) so that drift in the machine's speed hits all alike; each figure is the median of --repeats
+runs. Decode tokens/s counts the steps after the first new token, timed the same way for both
 (a timestamp per step). The roofline is the weights read per token divided by the memory bandwidth
 measured here with a large copy.
 """
@@ -64,7 +65,7 @@ def theirs_once(model, prompt_ids, n):
     return decode_rate(stamps), out[0, len(prompt_ids):].tolist()
 
 
-def main(new_tokens="128,512", repeats: int = 3, threads: int = 2):
+def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool = True):
     from transformers import LlamaForCausalLM
 
     import transformers
@@ -74,29 +75,42 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2):
     torch.set_num_threads(threads)
     lengths = [int(n) for n in (new_tokens if isinstance(new_tokens, (tuple, list)) else str(new_tokens).split(","))]
     ckpt, gguf = default_model_dir(), default_model_gguf()
-    ours = Llama.build(ckpt, max_seq_len=max(lengths) + 64, max_batch_size=1, device="cpu", dtype="float32")
+    build = dict(max_seq_len=max(lengths) + 64, max_batch_size=1, device="cpu", dtype="float32")
+    ours = {"ours": Llama.build(ckpt, **build)}
+    if compile:
+        ours["ours --compile"] = Llama.build(ckpt, compile=True, **build)
     theirs = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    prompt_ids = ours.tokenizer.encode(PROMPT, bos=True, eos=False)
+    prompt_ids = ours["ours"].tokenizer.encode(PROMPT, bos=True, eos=False)
 
-    # Warm both up, so neither pays first-call costs inside the measurement.
-    ours_once(ours, prompt_ids, 16)
+    # Warm all up, so none pays first-call costs inside the measurement.
+    for llama in ours.values():
+        ours_once(llama, prompt_ids, 16)
     theirs_once(theirs, prompt_ids, 16)
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} threads, float32, batch 1")
-    print(f"prompt: {PROMPT!r} ({len(prompt_ids)} tokens); median of {repeats} interleaved runs\n")
-    print(f"{'new tokens':>10}  {'ours tok/s':>10}  {'transformers tok/s':>18}  {'ratio':>6}  same tokens")
+    print(f"prompt: {PROMPT!r} ({len(prompt_ids)} tokens); decode tokens/s, median of {repeats} interleaved runs\n")
+    names = list(ours) + ["transformers"]
+    print(f"{'new tokens':>10}  " + "  ".join(f"{name:>14}" for name in names)
+          + "  " + "  ".join(f"{name + ' / transformers':>29}" for name in ours) + "  same tokens")
     for n in lengths:
-        ours_rates, their_rates, same = [], [], True
+        rates = {name: [] for name in names}
+        same = True
         for _ in range(repeats):
-            rate, ours_tokens = ours_once(ours, prompt_ids, n)
-            ours_rates.append(rate)
-            rate, their_tokens = theirs_once(theirs, prompt_ids, n)
-            their_rates.append(rate)
-            same = same and ours_tokens == their_tokens
-        a, b = statistics.median(ours_rates), statistics.median(their_rates)
-        print(f"{n:>10}  {a:>10.2f}  {b:>18.2f}  {a / b:>5.2f}x  {'yes' if same else 'no'}")
+            reference = None
+            for name, llama in ours.items():
+                rate, tokens = ours_once(llama, prompt_ids, n)
+                rates[name].append(rate)
+                reference = reference or tokens
+                same = same and tokens == reference
+            rate, tokens = theirs_once(theirs, prompt_ids, n)
+            rates["transformers"].append(rate)
+            same = same and tokens == reference
+        median = {name: statistics.median(r) for name, r in rates.items()}
+        print(f"{n:>10}  " + "  ".join(f"{median[name]:>14.2f}" for name in names) + "  "
+              + "  ".join(f"{median[name] / median['transformers']:>28.2f}x" for name in ours)
+              + f"  {'yes' if same else 'no'}")
 
-    weights = sum(p.numel() * p.element_size() for name, p in ours.model.named_parameters()
+    weights = sum(p.numel() * p.element_size() for name, p in ours["ours"].model.named_parameters()
                   if not name.startswith("tok_embeddings"))  # the embedding table is read one row per token
     bandwidth = measure_bandwidth()
     print(f"\nroofline: {weights / 1e6:.0f} MB of weights read per token / {bandwidth / 1e9:.1f} GB/s copy "

@@ -52,6 +52,7 @@ def main(
     out_dir: str = "bench-out",
     plot: bool = True,
     warmup: int = 8,
+    compile: bool = False,
 ):
     """Generate with and without the KV cache over a sweep of lengths and report what each costs.
 
@@ -77,7 +78,9 @@ def main(
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         out_dir: where bench.csv, bench.json and bench.png are written.
         plot: draw bench.png (needs matplotlib).
-        warmup: tokens generated once before measuring, to settle kernels and allocators.
+        warmup: tokens generated once before measuring, to settle kernels and allocators (and, with
+            --compile, to compile every batch size and mode before the clock starts).
+        compile: measure the compiled decode step (torch.compile) instead of the eager one.
     """
     lengths = _ints(lengths, "--lengths")
     batch_sizes = _ints(batch_sizes, "--batch-sizes")
@@ -87,7 +90,7 @@ def main(
     if time_budget <= 0:
         fail(f"--time-budget must be positive, not {time_budget}")
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype, compile)
     prompt_tokens = llama.tokenizer.encode(str(prompt), bos=True, eos=False)
     longest = min(max(lengths), max_seq_len - len(prompt_tokens))
     if longest < 1:
@@ -96,8 +99,9 @@ def main(
     main_rank = is_main_rank(llama)
 
     if warmup:
-        for kv in (True, False):
-            measure(llama, prompt_tokens, 1, warmup, kv)
+        for bsz in batch_sizes:
+            for mode in mode_names:
+                measure(llama, prompt_tokens, bsz, warmup, mode == "cache")
     runs: List[Run] = []
     for bsz in batch_sizes:
         for mode in mode_names:
@@ -194,6 +198,7 @@ def _environment(llama, ckpt_dir, prompt_tokens) -> dict:
         "device": f"{device} ({name})",
         "threads": torch.get_num_threads(),
         "dtype": str(llama.model.output.weight.dtype).removeprefix("torch."),
+        "compiled": llama.compiled_step is not None,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "prompt_tokens": len(prompt_tokens),
@@ -235,7 +240,8 @@ def _plot(runs: List[Run], lengths: List[int], path: Path, meta: dict):
     ax2.grid(True, alpha=0.3)
     if ax2.lines:
         ax2.legend()
-    fig.suptitle(f"{meta['checkpoint']} - {meta['device']}, {meta['dtype']}, {meta['threads']} threads, "
+    compiled = ", torch.compile" if meta["compiled"] else ""
+    fig.suptitle(f"{meta['checkpoint']} - {meta['device']}, {meta['dtype']}{compiled}, {meta['threads']} threads, "
                  f"torch {meta['torch']}", fontsize=9)
     fig.tight_layout()
     png = io.BytesIO()

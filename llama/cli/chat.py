@@ -45,6 +45,7 @@ def main(
     device: str = None,
     dtype: str = None,
     stats: bool = False,
+    compile: bool = False,
 ):
     """Chat with a LLaMA model in the terminal.
 
@@ -64,11 +65,13 @@ def main(
         device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         stats: after each reply, print its prefill time and decode tokens/s to stderr.
+        compile: compile the decode step with torch.compile before the chat starts: slower to start,
+            faster replies. Needs a C++ compiler on the CPU.
     """
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile)
     main_rank = is_main_rank(llama)
     start: List[Message] = [{"role": "system", "content": str(system)}] if system else []
     dialog: List[Message] = list(start)

@@ -54,6 +54,7 @@ def main(
     stats: bool = False,
     stream: bool = None,
     truncate: bool = False,
+    compile: bool = False,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -85,6 +86,8 @@ def main(
         truncate: cut prompts that are too long from the left (keeping bos) so that max_gen_len new
             tokens fit in max_seq_len, but never to less than half of max_seq_len; without it a prompt
             that is too long is an error.
+        compile: compile the decode step with torch.compile first: several times slower to start, about
+            twice as fast per token on a CPU (see docs/benchmarks.md). Needs a C++ compiler on the CPU.
     """
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
@@ -93,7 +96,7 @@ def main(
     if len(prompts) > max_batch_size:
         fail(f"{len(prompts)} prompts exceed --max-batch-size {max_batch_size}; raise it or split the file")
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile)
     tokenizer = llama.tokenizer
     prompt_tokens = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     main_rank = is_main_rank(llama)
@@ -148,6 +151,7 @@ def main(
         generated = [len(t) - (len(p) if echo else 0) for t, p in zip(out_tokens, prompt_tokens)]
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
+            f"compiled:        {f'yes, in {llama.compile_seconds:.1f} s' if compile else 'no'}",
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
             f"generated:       {sum(generated)} tokens",
             f"prefill:         {timings['prefill_s'] * 1000:.1f} ms (to the first new token)",

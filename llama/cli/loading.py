@@ -1,5 +1,6 @@
 """Loading the model the way every command does: flags in, a ready Llama out."""
 
+import sys
 from typing import Optional
 
 from llama.errors import LlamaError
@@ -19,7 +20,10 @@ def default_ckpt_dir() -> str:
 
 
 def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
-                     seed: int, device: Optional[str], dtype: Optional[str]) -> Llama:
+                     seed: int, device: Optional[str], dtype: Optional[str], compile: bool = False) -> Llama:
+    if compile:
+        print("compiling the decode step (--compile): a minute or more the first time, faster once Inductor "
+              "has it cached on disk", file=sys.stderr, flush=True)
     return Llama.build(
         ckpt_dir=str(ckpt_dir) if ckpt_dir is not None else default_ckpt_dir(),
         tokenizer_path=str(tokenizer_path) if tokenizer_path is not None else None,
@@ -28,6 +32,7 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         seed=seed,
         device=device,
         dtype=dtype,
+        compile=compile,
     )
 
 
