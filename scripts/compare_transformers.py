@@ -6,7 +6,7 @@ Both load the default model (SmolLM2-135M-Instruct, from the same GGUF) in float
 greedily at batch 1 from the same prompt token ids, each with its KV cache. Ours runs twice: eager (the
 default) and with --compile (compiled before any timing). Runs alternate (ours, ours compiled, theirs,
 ours, ...) so that drift in the machine's speed hits all alike; each figure is the median of --repeats
-runs. Decode tokens/s counts the steps after the first new token, timed the same way for both
+runs. Decode tokens/s counts the steps after the first new token, timed the same way for all
 (a timestamp per step). The roofline is the weights read per token divided by the memory bandwidth
 measured here with a large copy.
 """
@@ -100,7 +100,7 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
             for name, llama in ours.items():
                 rate, tokens = ours_once(llama, prompt_ids, n)
                 rates[name].append(rate)
-                reference = reference or tokens
+                reference = tokens if reference is None else reference
                 same = same and tokens == reference
             rate, tokens = theirs_once(theirs, prompt_ids, n)
             rates["transformers"].append(rate)

@@ -81,3 +81,13 @@ def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, pro
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     assert "error: n_heads 8 is not divisible by the model-parallel size 3" in result.stderr
+
+
+def test_compile_under_torchrun_is_refused(checkpoints):
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--no-python", str(BIN / "llama-generate"),
+           "--ckpt-dir", str(checkpoints[2]), "--prompt", "Hello", "--device", "cpu", "--compile"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "error: --compile runs in one process, not under torchrun with 2 processes" in result.stderr
+    # torchrun prints a traceback of its own when a rank exits non-zero; none may come from this project.
+    assert str(Path(__file__).resolve().parent.parent / "llama") not in result.stderr
