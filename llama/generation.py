@@ -162,6 +162,9 @@ class Llama:
         self.rank, self.world_size = 0, 1
         self.compiled_step = None  # set by build(compile=True): runs the steps after the prompt
         self.compile_seconds = 0.0
+        # How the linear layers' weights are held: None (float), or a description such as "int4-g32" set by
+        # build(quantize=...) or by a quantized checkpoint. Part of the model's identity (prompt caches).
+        self.quantization = None
 
     @torch.inference_mode()
     def generate(

@@ -21,7 +21,13 @@ _SPLIT_DIMS = {
 
 
 def split_dim(name: str) -> Optional[int]:
-    """The dimension `name` is split along in Meta's shards, or None if it is replicated."""
+    """The dimension `name` is split along in Meta's shards, or None if it is replicated.
+
+    A quantized weight's scales and mins (llama/quant_format.py) split with the weight, by whole groups.
+    """
+    for companion in (".scales", ".mins"):
+        if name.endswith(companion):
+            name = name.removesuffix(companion) + ".weight"
     for suffix, dim in _SPLIT_DIMS.items():
         if name == suffix or name.endswith("." + suffix):
             return dim

@@ -1,0 +1,18 @@
+"""Progress of long work (downloads, conversions, quantizing while loading), told through a callback.
+
+Library code never prints: it calls `progress(what, done, total)` as it goes, and the command-line layer
+renders those calls (`llama.cli.progress.ProgressPrinter`: a bar on a terminal, plain lines otherwise).
+`done` and `total` are in any unit the caller likes (bytes, tensors); `total` 0 means unknown.
+"""
+
+from typing import Callable, Optional
+
+Progress = Callable[[str, int, int], None]
+
+
+def no_progress(what: str, done: int, total: int) -> None:
+    """The callback for callers who want no reports."""
+
+
+def or_silent(progress: Optional[Progress]) -> Progress:
+    return progress if progress is not None else no_progress
