@@ -177,6 +177,7 @@ class Llama:
         echo: bool = False,
         kv_cache: bool = True,
         on_step: Optional[StepCallback] = None,
+        ignore_stop: bool = False,
     ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt until it emits a stop token or reaches max_gen_len new tokens (or max_seq_len).
 
@@ -191,6 +192,8 @@ class Llama:
             kv_cache: True feeds only the newest token each step, keeping past keys and values in a
                 cache; False feeds the whole prefix every step. The results are the same.
             on_step: called after every step with the position filled and the (bsz,) tokens put there.
+            ignore_stop: run every row to max_gen_len new tokens (or max_seq_len), stop tokens included,
+                as benchmarks that need exact lengths do.
 
         Returns:
             (tokens, logprobs): per prompt, the returned token ids, ending before the stop token; and
@@ -226,7 +229,8 @@ class Llama:
             tokens[k, : len(t)] = torch.tensor(t, dtype=torch.long, device=device)
             prompt_mask[k, : len(t)] = True
         token_logprobs = torch.zeros((bsz, total_len), dtype=torch.float, device=device) if logprobs else None
-        stop_ids = torch.tensor(self.tokenizer.stop_ids, device=device)
+        stop_list = [] if ignore_stop else self.tokenizer.stop_ids
+        stop_ids = torch.tensor(stop_list, dtype=torch.long, device=device)
         stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
 
         # Sized for this run, not for max_batch_size x max_seq_len: the last token is sampled, never fed.
@@ -269,7 +273,7 @@ class Llama:
                 break
 
         out_tokens, out_logprobs = [], []
-        stop_set = set(self.tokenizer.stop_ids)
+        stop_set = set(stop_list)
         for i, t in enumerate(prompt_tokens):
             # Every row is past its prompt by the time `filled` stops short of total_len.
             toks = tokens[i, : min(len(t) + max_gen_len, filled)].tolist()

@@ -40,12 +40,9 @@ def decode_rate(stamps: List[float]) -> float:
 
 def ours_once(llama, prompt_ids, n):
     stamps = []
-    stop_ids, llama.tokenizer.stop_ids = llama.tokenizer.stop_ids, []
-    try:
-        (tokens,), _ = llama.generate([prompt_ids], n, temperature=0,
-                                      on_step=lambda pos, tok: stamps.append(time.perf_counter()))
-    finally:
-        llama.tokenizer.stop_ids = stop_ids
+    # ignore_stop, as transformers' min_new_tokens: both produce exactly n tokens.
+    (tokens,), _ = llama.generate([prompt_ids], n, temperature=0, ignore_stop=True,
+                                  on_step=lambda pos, tok: stamps.append(time.perf_counter()))
     return decode_rate(stamps), tokens
 
 
