@@ -104,7 +104,8 @@ class Llama:
             max_seq_len: the longest prompt plus generation a run may use.
             max_batch_size: the most prompts one call may take.
             model_parallel_size: ranks to split the model across; None takes the number of processes
-                torchrun started (1 without torchrun).
+                torchrun started (1 without torchrun). As with Meta's build, ranks other than 0 then print
+                nothing to stdout (LLAMA_PRINT_ALL_RANKS=1 keeps it; see llama/distributed.py).
             seed: seed of the sampling generator.
             device: "cpu", "cuda", "cuda:N"; None picks CUDA when present, else CPU.
             dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
