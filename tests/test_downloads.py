@@ -108,3 +108,17 @@ def test_the_default_model_fetched_on_first_use_tells_the_user(fake_smollm2, tmp
     second = run_command("llama-generate", "--prompt", "the meaning of life", "--max-gen-len", "4",
                          "--temperature", "0", "--device", "cpu", home=home)
     assert second.returncode == 0 and second.stdout == first.stdout and "llama-download" not in second.stderr
+
+
+def test_library_code_never_prints():
+    """Only the command-line layer (llama/cli) writes to the terminal; the library reports through callbacks."""
+    import re
+
+    package = Path(__file__).resolve().parent.parent / "llama"
+    offenders = [
+        f"{path.relative_to(package)}:{n}"
+        for path in package.rglob("*.py") if path.parent.name != "cli"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bprint\(|sys\.std(out|err)\.write", line)
+    ]
+    assert offenders == []
