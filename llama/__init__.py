@@ -1,8 +1,9 @@
-"""LLaMA-2 inference with a switchable KV cache."""
+"""LLaMA-2 inference with a switchable KV cache; imports as Meta's `llama` package does."""
 
+from llama.chat_format import Dialog
 from llama.errors import LlamaError
 from llama.generation import Llama
 from llama.model import ModelArgs, Transformer
 from llama.tokenizer import Tokenizer
 
-__all__ = ["Llama", "LlamaError", "ModelArgs", "Tokenizer", "Transformer"]
+__all__ = ["Dialog", "Llama", "LlamaError", "ModelArgs", "Tokenizer", "Transformer"]

@@ -83,16 +83,14 @@ def measure(llama: Llama, prompt: Sequence[int], batch_size: int, max_new_tokens
         if deadline is not None and stamps[-1] > deadline and len(stamps) < max_new_tokens:
             raise _OutOfTime
 
-    stop_ids = llama.tokenizer.stop_ids
-    llama.tokenizer.stop_ids = []  # a benchmark wants exact lengths, not an early end of text
     _sync(llama.device)
     start = time.perf_counter()
     try:
-        llama.generate([list(prompt)] * batch_size, max_new_tokens, temperature=0, kv_cache=kv_cache, on_step=on_step)
+        # ignore_stop: a benchmark wants exact lengths, not an early end of text.
+        llama.generate([list(prompt)] * batch_size, max_new_tokens, temperature=0, kv_cache=kv_cache, on_step=on_step,
+                       ignore_stop=True)
     except _OutOfTime:
         run.out_of_time = True
-    finally:
-        llama.tokenizer.stop_ids = stop_ids
     run.new_tokens = len(stamps)
     run.prefill_s = stamps[0] - start if stamps else 0.0
     run.step_s = [b - a for a, b in zip(stamps, stamps[1:])]

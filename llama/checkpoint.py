@@ -232,11 +232,19 @@ def _write_dir_atomically(dest: Path, write, overwrite: bool) -> None:
     try:
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; a checkpoint is ordinary readable data
-        if dest.exists():
+        if dest.exists() or dest.is_symlink():
+            # Moved aside rather than deleted first, so a failed rename below can put it back.
             old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
             dest.rename(old)
-            tmp.rename(dest)
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                tmp.rename(dest)
+            except BaseException:
+                old.rename(dest)
+                raise
+            if old.is_dir() and not old.is_symlink():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                old.unlink()  # a file (or a link) in the way; rmtree would refuse it and leave it hidden
         else:
             tmp.rename(dest)
     except BaseException:

@@ -1,5 +1,15 @@
-"""Where the model runs: device and dtype choice, and (under torchrun) the process group."""
+"""Where the model runs: device and dtype choice, and (under torchrun) the process group.
 
+Under torchrun, as with Meta's reference, every rank computes the same text and only rank 0 prints it:
+joining the group sends the stdout of ranks other than 0 to /dev/null, so a script written for Meta's
+`Llama.build` prints each completion once. Set LLAMA_PRINT_ALL_RANKS=1 to keep every rank's stdout.
+stderr is never touched, so errors reach the user from any rank. The group joined here is destroyed at
+exit, so torch has no undestroyed group to warn about.
+"""
+
+import atexit
+import os
+import sys
 from typing import Optional, Union
 
 import torch
@@ -53,10 +63,9 @@ def init_distributed(device: torch.device, model_parallel_size: Optional[int] = 
     """Join the torchrun process group if there is one; returns (rank, world_size).
 
     Under torchrun (WORLD_SIZE set) the group uses NCCL on CUDA and gloo on the CPU, and each rank takes
-    the GPU of its LOCAL_RANK. Outside torchrun this is a single process: (0, 1).
+    the GPU of its LOCAL_RANK; ranks other than 0 then print nothing to stdout unless LLAMA_PRINT_ALL_RANKS=1
+    (see the module's docstring). Outside torchrun this is a single process: (0, 1).
     """
-    import os
-
     import torch.distributed as dist
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -69,13 +78,32 @@ def init_distributed(device: torch.device, model_parallel_size: Optional[int] = 
         return 0, 1
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()
+        atexit.register(_destroy_process_group)  # only a group joined here: one the caller made is theirs
+    rank = dist.get_rank()
+    quiet_other_ranks(rank)
+    return rank, dist.get_world_size()
+
+
+PRINT_ALL_RANKS = "LLAMA_PRINT_ALL_RANKS"
+
+
+def quiet_other_ranks(rank: int) -> None:
+    """Send this process's stdout to /dev/null unless it is rank 0 or LLAMA_PRINT_ALL_RANKS=1 is set."""
+    if rank == 0 or os.environ.get(PRINT_ALL_RANKS) == "1" or getattr(sys.stdout, "name", None) == os.devnull:
+        return
+    sys.stdout.flush()
+    sys.stdout = open(os.devnull, "w")
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_device(device: torch.device) -> torch.device:
     """Under torchrun each rank takes its own GPU (LOCAL_RANK); the CPU is shared."""
-    import os
-
     if device.type == "cuda" and device.index is None and "LOCAL_RANK" in os.environ:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)

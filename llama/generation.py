@@ -104,7 +104,8 @@ class Llama:
             max_seq_len: the longest prompt plus generation a run may use.
             max_batch_size: the most prompts one call may take.
             model_parallel_size: ranks to split the model across; None takes the number of processes
-                torchrun started (1 without torchrun).
+                torchrun started (1 without torchrun). As with Meta's build, ranks other than 0 then print
+                nothing to stdout (LLAMA_PRINT_ALL_RANKS=1 keeps it; see llama/distributed.py).
             seed: seed of the sampling generator.
             device: "cpu", "cuda", "cuda:N"; None picks CUDA when present, else CPU.
             dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
@@ -177,6 +178,7 @@ class Llama:
         echo: bool = False,
         kv_cache: bool = True,
         on_step: Optional[StepCallback] = None,
+        ignore_stop: bool = False,
     ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt until it emits a stop token or reaches max_gen_len new tokens (or max_seq_len).
 
@@ -191,6 +193,8 @@ class Llama:
             kv_cache: True feeds only the newest token each step, keeping past keys and values in a
                 cache; False feeds the whole prefix every step. The results are the same.
             on_step: called after every step with the position filled and the (bsz,) tokens put there.
+            ignore_stop: run every row to max_gen_len new tokens (or max_seq_len), stop tokens included,
+                as benchmarks that need exact lengths do.
 
         Returns:
             (tokens, logprobs): per prompt, the returned token ids, ending before the stop token; and
@@ -226,7 +230,8 @@ class Llama:
             tokens[k, : len(t)] = torch.tensor(t, dtype=torch.long, device=device)
             prompt_mask[k, : len(t)] = True
         token_logprobs = torch.zeros((bsz, total_len), dtype=torch.float, device=device) if logprobs else None
-        stop_ids = torch.tensor(self.tokenizer.stop_ids, device=device)
+        stop_list = [] if ignore_stop else self.tokenizer.stop_ids
+        stop_ids = torch.tensor(stop_list, dtype=torch.long, device=device)
         stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
 
         # Sized for this run, not for max_batch_size x max_seq_len: the last token is sampled, never fed.
@@ -269,7 +274,7 @@ class Llama:
                 break
 
         out_tokens, out_logprobs = [], []
-        stop_set = set(self.tokenizer.stop_ids)
+        stop_set = set(stop_list)
         for i, t in enumerate(prompt_tokens):
             # Every row is past its prompt by the time `filled` stops short of total_len.
             toks = tokens[i, : min(len(t) + max_gen_len, filled)].tolist()

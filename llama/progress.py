@@ -5,7 +5,8 @@ renders those calls (`llama.cli.progress.ProgressPrinter`: a bar on a terminal, 
 `done` and `total` are in any unit the caller likes (bytes, tensors); `total` 0 means unknown.
 """
 
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 Progress = Callable[[str, int, int], None]
 
@@ -16,3 +17,11 @@ def no_progress(what: str, done: int, total: int) -> None:
 
 def or_silent(progress: Optional[Progress]) -> Progress:
     return progress if progress is not None else no_progress
+
+
+@contextmanager
+def step(progress: Progress, what: str) -> Iterator[None]:
+    """Report work that cannot be measured as it goes: (what, 0, 1) before it, (what, 1, 1) once it is done."""
+    progress(what, 0, 1)
+    yield
+    progress(what, 1, 1)

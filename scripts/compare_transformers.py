@@ -40,12 +40,9 @@ def decode_rate(stamps: List[float]) -> float:
 
 def ours_once(llama, prompt_ids, n):
     stamps = []
-    stop_ids, llama.tokenizer.stop_ids = llama.tokenizer.stop_ids, []
-    try:
-        (tokens,), _ = llama.generate([prompt_ids], n, temperature=0,
-                                      on_step=lambda pos, tok: stamps.append(time.perf_counter()))
-    finally:
-        llama.tokenizer.stop_ids = stop_ids
+    # ignore_stop, as transformers' min_new_tokens: both produce exactly n tokens.
+    (tokens,), _ = llama.generate([prompt_ids], n, temperature=0, ignore_stop=True,
+                                  on_step=lambda pos, tok: stamps.append(time.perf_counter()))
     return decode_rate(stamps), tokens
 
 
@@ -74,7 +71,10 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
 
     torch.set_num_threads(threads)
     lengths = [int(n) for n in (new_tokens if isinstance(new_tokens, (tuple, list)) else str(new_tokens).split(","))]
-    ckpt, gguf = default_model_dir(), default_model_gguf()
+    from llama.cli.progress import ProgressPrinter
+
+    ckpt = default_model_dir(progress=ProgressPrinter(prefix="llama-download: "))
+    gguf = default_model_gguf()
     build = dict(max_seq_len=max(lengths) + 64, max_batch_size=1, device="cpu", dtype="float32")
     ours = {"ours": Llama.build(ckpt, **build)}
     if compile:

@@ -14,7 +14,7 @@ def test_measure_times_every_step_and_ignores_stop_tokens(gqa_ckpt):
     # Even with every token a stop token, a benchmark run produces exactly the length asked for.
     llama.tokenizer.stop_ids = list(range(llama.model.vocab_size))
     run_ = measure(llama, prompt, batch_size=2, max_new_tokens=20, kv_cache=True)
-    assert llama.tokenizer.stop_ids == list(range(llama.model.vocab_size))  # restored afterwards
+    assert llama.tokenizer.stop_ids == list(range(llama.model.vocab_size))  # the tokenizer is left as it was
     assert run_.new_tokens == 20 and len(run_.step_s) == 19 and not run_.out_of_time
     assert run_.time_to(1) == run_.prefill_s and run_.time_to(20) > run_.time_to(10) > 0
     assert run_.time_to(21) is None

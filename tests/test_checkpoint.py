@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import EXAMPLE_TOKENIZER, build, write_tiny
+from conftest import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
+from llama.checkpoint import write_random_checkpoint
 from llama.distributed import resolve_device, resolve_dtype
 from llama.errors import LlamaError
 
@@ -140,3 +141,24 @@ def test_cuda_defaults_to_bf16_and_cache_matches(gqa_ckpt):
     assert cached[0] == uncached[0]
     # TF32 matmuls are off by default in PyTorch, so float32 on the GPU is held to nearly the CPU tolerance.
     torch.testing.assert_close(torch.tensor(cached[1]), torch.tensor(uncached[1]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("in_the_way", ["file", "directory", "link"])
+def test_overwrite_leaves_only_the_new_checkpoint(tmp_path, in_the_way):
+    dest = tmp_path / "out" / "ckpt"
+    dest.parent.mkdir()
+    if in_the_way == "file":
+        dest.write_text("an old file")
+    elif in_the_way == "directory":
+        write_tiny(dest, seed=1)
+    else:
+        (tmp_path / "target").write_text("kept")
+        dest.symlink_to(tmp_path / "target")
+    with pytest.raises(LlamaError, match="already exists"):
+        write_tiny(dest)
+    _, state_dict = write_random_checkpoint(dest, tiny_args(), overwrite=True)
+    assert os.listdir(dest.parent) == ["ckpt"]  # nothing hidden (no .ckpt.old-PID) beside it
+    assert sorted(os.listdir(dest)) == ["consolidated.00.pth", "params.json"]
+    assert torch.equal(torch.load(dest / "consolidated.00.pth", weights_only=True)["norm.weight"], state_dict["norm.weight"])
+    if in_the_way == "link":
+        assert (tmp_path / "target").read_text() == "kept"  # the link is replaced, not what it points to

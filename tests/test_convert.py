@@ -202,3 +202,36 @@ def test_hf_directory_without_weights_is_refused(tmp_path):
     with pytest.raises(LlamaError, match="no \\*.safetensors"):
         convert_hf(src, tmp_path / "meta")
     assert not (tmp_path / "meta").exists()
+
+
+def test_sharded_safetensors_are_read_through_their_index(tmp_path):
+    """A Mistral-style directory: sharded model-0000x-of-0000y.safetensors with their index, and a
+    consolidated.safetensors (Meta's names) beside them that must not be read."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from llama.convert.hf import convert_hf
+
+    model = tiny_hf_model(tied=False)
+    src = tmp_path / "hf"
+    model.save_pretrained(src, safe_serialization=True, max_shard_size="400KB")
+    shutil.copyfile(EXAMPLE_TOKENIZER, src / "tokenizer.model")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    save_file({"tok_embeddings.weight": torch.zeros(4000, 64), "layers.0.attention.wq.weight": torch.zeros(64, 64)},
+              str(src / "consolidated.safetensors"))
+
+    assert_same_logits(convert_hf(src, tmp_path / "meta"), model)
+
+    # The index is what tells the files apart: without it every *.safetensors file is read.
+    (src / "model.safetensors.index.json").rename(tmp_path / "index.json")
+    with pytest.raises(LlamaError, match=r"holds tensor (tok_embeddings|layers\.0\.attention\.wq)\.weight, which a LLaMA model does not have"):
+        convert_hf(src, tmp_path / "meta2")
+
+    # An index naming a file that is not there is one sentence, not a KeyError.
+    index["weight_map"]["lm_head.weight"] = "model-00009-of-00009.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(LlamaError, match="names weight file 'model-00009-of-00009.safetensors', which is not in"):
+        convert_hf(src, tmp_path / "meta3")
+    assert not (tmp_path / "meta2").exists() and not (tmp_path / "meta3").exists()

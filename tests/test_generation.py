@@ -52,6 +52,24 @@ def test_generation_ends_early_when_every_row_has_stopped(gqa_ckpt):
     assert len(steps) == 3
 
 
+def test_ignore_stop_runs_every_row_to_the_exact_length(gqa_ckpt):
+    llama = build(gqa_ckpt)
+    prompts = [llama.tokenizer.encode(p, bos=True, eos=False) for p in ("Hello world", "The answer is")]
+    full, _ = llama.generate(prompts, 12, temperature=0)
+    stop_ids = llama.tokenizer.stop_ids + [full[0][2], full[1][5]]  # both rows would stop early
+    llama.tokenizer.stop_ids = list(stop_ids)
+    for kv in (True, False):
+        steps = []
+        out, lps = llama.generate(prompts, 12, temperature=0, kv_cache=kv, logprobs=True, ignore_stop=True,
+                                  on_step=lambda pos, tok: steps.append(pos))
+        assert out == full  # the stop tokens are kept and generation runs on past them
+        assert [len(lp) for lp in lps] == [12, 12]
+        assert len(steps) == 12 + len(prompts[1]) - min(len(p) for p in prompts)
+    assert llama.tokenizer.stop_ids == stop_ids  # nothing to swap back
+    cut, _ = llama.generate(prompts, 12, temperature=0)
+    assert cut == [full[0][:2], full[1][:5]]  # and without it they stop
+
+
 def test_sampling_is_reproducible_from_the_seed(gqa_ckpt):
     prompts = ["Once upon a time"]
     a = build(gqa_ckpt, seed=7).text_completion(prompts, temperature=1.0, top_p=1.0, max_gen_len=16)

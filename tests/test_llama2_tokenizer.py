@@ -103,8 +103,9 @@ def test_tokenizer_model_matches_a_fresh_rebuild(vocab_dir, tmp_path):
 
 def test_fetch_is_a_no_op_when_complete(vocab_dir, capsys):
     before = {p.name: p.stat().st_mtime_ns for p in vocab_dir.iterdir()}
-    assert fetch_llama2_vocab(vocab_dir, progress=True) == vocab_dir
-    assert capsys.readouterr().err == ""
+    reports = []
+    assert fetch_llama2_vocab(vocab_dir, progress=lambda *r: reports.append(r)) == vocab_dir
+    assert reports == [] and capsys.readouterr().err == ""
     assert {p.name: p.stat().st_mtime_ns for p in vocab_dir.iterdir()} == before
 
 
@@ -135,7 +136,7 @@ def test_failed_download_is_a_llama_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     dest = tmp_path / "vocab"
     with pytest.raises(LlamaError, match=r"pip could not download llama-cpp-python==0\.3\.36"):
-        fetch_llama2_vocab(dest, progress=False)
+        fetch_llama2_vocab(dest)
     assert not dest.exists()
     assert [p.name for p in tmp_path.iterdir()] == []  # the staging directory was cleaned up
 

