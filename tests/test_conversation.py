@@ -5,6 +5,8 @@ tokenizer. A conversation that outgrows the context drops its oldest exchanges, 
 """
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from llama.conversation import Conversation
 from llama.errors import LlamaError
 from llama.prompt_cache import PromptCacheError
 
+BIN = Path(sys.executable).parent
 MESSAGES = ["Hello! Who are you?", "What is the capital of France?", "And the capital of Italy?", "/reset",
             "Name three colours.", "Why is the sky blue?", "Thank you, goodbye."]
 
@@ -142,3 +145,44 @@ def test_a_saved_conversation_resumes_with_its_cache(llama2_ckpt, tmp_path):
     with pytest.raises(PromptCacheError, match="not by the model loaded now"):
         stranger.resume(tmp_path / "chat.kv")
     assert stranger.dialog == [] and stranger.session.tokens == []
+
+
+def chat(ckpt, *args, input: str):
+    result = subprocess.run([str(BIN / "llama-chat"), "--ckpt-dir", str(ckpt), "--temperature", "0",
+                             "--max-gen-len", "8", *map(str, args)], input=input, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def test_chat_command_reports_reuse_and_resumes_a_saved_session(gqa_ckpt, tmp_path):
+    messages = ["Hello there", "Tell me more", "And then?", "One more thing"]
+    whole = chat(gqa_ckpt, "--stats", input="\n".join(messages) + "\n")
+    replies = whole.stdout.splitlines()
+    assert len(replies) == 4
+    stats = [line for line in whole.stderr.splitlines() if line.startswith("(prompt ")]
+    assert len(stats) == 4 and " 0 reused from the cache" in stats[0]
+    for line in stats[1:]:
+        reused = int(line.split(": ")[1].split(" reused")[0])
+        assert reused > 10 and "prefilled in" in line and "tokens/s" in line
+
+    saved = tmp_path / "chat.kv"
+    first = chat(gqa_ckpt, "--session", saved, input="\n".join(messages[:3]) + "\n")
+    assert first.stdout.splitlines() == replies[:3] and saved.is_file()
+    resumed = chat(gqa_ckpt, "--session", saved, "--stats", input=messages[3] + "\n")
+    assert "(resumed 6 messages and" in resumed.stderr
+    assert resumed.stdout.splitlines() == replies[3:]
+    assert " 0 reused" not in resumed.stderr
+
+    saved.write_bytes(b"not a prompt cache")
+    fresh = chat(gqa_ckpt, "--session", saved, input=messages[0] + "\n")
+    notes = [line for line in fresh.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "starting a new conversation" in notes[0]
+    assert fresh.stdout.splitlines() == replies[:1]
+
+
+def test_chat_command_drops_the_oldest_exchanges_in_one_line(gqa_ckpt):
+    result = chat(gqa_ckpt, "--max-seq-len", "48", "--system", "Be kind.", input="Hello there\n" * 5)
+    notes = [line for line in result.stderr.splitlines() if "dropped the oldest" in line]
+    assert notes and all(line.startswith("(the conversation no longer fits --max-seq-len 48") for line in notes)
+    assert len(result.stdout.splitlines()) == 5  # every message was answered
