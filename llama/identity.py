@@ -55,12 +55,12 @@ def file_digests(paths: Iterable[Path], cache_path: Optional[Path] = None) -> Di
                 while chunk := f.read(1 << 24):
                     h.update(chunk)
             # One entry per path: a file that changed replaces its old entry instead of piling up.
-            prefix = key.split("|")[0] + "|"
+            prefix = key.rsplit("|", 3)[0] + "|"
             known = {k: v for k, v in known.items() if not k.startswith(prefix)}
             known[key], added = h.hexdigest(), True
         out[path.name] = known[key]
     if added and cache_path.parent.is_dir():
-        known = {k: v for k, v in known.items() if os.path.exists(k.split("|")[0])}  # forget deleted files
+        known = {k: v for k, v in known.items() if os.path.exists(k.rsplit("|", 3)[0])}  # forget deleted files
         try:
             write_atomically(cache_path, json.dumps(known, indent=0, sort_keys=True))
         except OSError:

@@ -58,6 +58,15 @@ def _checksum(tokens_json: str, dialog_json: str, tensors: Dict[str, torch.Tenso
     return h.hexdigest()
 
 
+def check_writable(path: Path) -> None:
+    """Refuse, before any slow work, a prompt-cache path that could not be written."""
+    path = Path(path)
+    if path.is_dir():
+        raise LlamaError(f"{path} is a directory; give a file name for the prompt cache")
+    if not path.parent.is_dir():
+        raise LlamaError(f"the folder {path.parent} for the prompt cache {path.name} does not exist")
+
+
 def save_prompt_cache(path: Path, session: Session, identity: str, described: str = "",
                       dialog: Optional[List[Message]] = None) -> Path:
     """Write what `session` holds to `path`, atomically.

@@ -194,12 +194,15 @@ def test_generate_with_a_prompt_cache_prints_what_it_prints_without(gqa_ckpt, tm
     assert f"prompt cache:    {n - 1} tokens reused, 1 prefilled" in err  # all but the last, which picks the next
 
 
-def test_generate_refuses_a_prompt_cache_with_several_prompts_or_no_cache(gqa_ckpt, tmp_path):
+def test_generate_refuses_a_prompt_cache_it_cannot_use_or_write(gqa_ckpt, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a\nb\n")
-    for args in (["--prompts-file", prompts], ["--prompt", PROMPT, "--no-kv-cache"]):
+    cases = [(tmp_path / "p.kv", ["--prompts-file", prompts], "--prompt-cache keeps"),
+             (tmp_path / "p.kv", ["--prompt", PROMPT, "--no-kv-cache"], "--prompt-cache keeps"),
+             (tmp_path / "nowhere" / "p.kv", ["--prompt", PROMPT], "the folder")]
+    for path, args, message in cases:
         result = subprocess.run([str(BIN / "llama-generate"), "--ckpt-dir", str(gqa_ckpt), "--prompt-cache",
-                                 str(tmp_path / "p.kv"), *map(str, args)], capture_output=True, text=True, timeout=300)
-        assert result.returncode == 1 and result.stderr.startswith("error: --prompt-cache")
+                                 str(path), *map(str, args)], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 1 and result.stderr.startswith("error: " + message)
         assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "p.kv").exists()

@@ -12,7 +12,7 @@ from llama.cli.streaming import TextStream
 from llama.conversation import Conversation
 from llama.errors import LlamaError
 from llama.generation import check_sampling
-from llama.prompt_cache import PromptCacheError
+from llama.prompt_cache import PromptCacheError, check_writable
 
 HELP = "Type a message and press Enter. /reset clears the history; Ctrl-D (or /exit) leaves."
 
@@ -84,6 +84,8 @@ def main(
     check_sampling(temperature, top_p, max_gen_len)
     if session is not None and no_kv_cache:
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
+    if session is not None:
+        check_writable(Path(str(session)))
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile)
     if session is not None and llama.world_size > 1:
         fail("--session runs in one process, not under torchrun")

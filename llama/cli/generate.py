@@ -11,7 +11,7 @@ from llama.cli.loading import build_from_flags, is_main_rank
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
 from llama.identity import describe, model_identity
-from llama.prompt_cache import PromptCacheError, load_prompt_cache, restore, save_prompt_cache
+from llama.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
 from llama.session import Session
 
 
@@ -106,6 +106,8 @@ def main(
 
     if prompt_cache is not None and (len(prompts) > 1 or no_kv_cache):
         fail("--prompt-cache keeps the KV cache of one prompt: give one --prompt, without --no-kv-cache")
+    if prompt_cache is not None:
+        check_writable(Path(str(prompt_cache)))
 
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile)
     if prompt_cache is not None and llama.world_size > 1:
