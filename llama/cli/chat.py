@@ -76,8 +76,9 @@ def main(
             the prefill time and the decode tokens/s.
         compile: compile the decode step with torch.compile before the chat starts: slower to start,
             faster replies. Needs a C++ compiler on the CPU.
-        session: a file that keeps the conversation and its KV cache: resumed from it when it exists and
-            belongs to this model, saved to it after every reply.
+        session: a file that keeps the conversation and its KV cache: resumed from it (its messages, system
+            prompt included) when it exists and belongs to this model, saved to it after every reply. A file
+            from another model, or damaged, is reported in one line and replaced.
     """
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
