@@ -19,6 +19,7 @@ from llama.distributed import check_fits, init_distributed, local_device, resolv
 from llama.errors import LlamaError
 from llama.model import Transformer
 from llama.parallel import parallelize
+from llama.session import Session
 from llama.tokenizer import Tokenizer
 
 
@@ -150,6 +151,7 @@ class Llama:
             llama.compiled_step = compile_step(model)
             llama.compile_seconds = time.perf_counter() - compile_start
         llama.rank, llama.world_size = rank, world_size
+        llama.ckpt_dir = ckpt_dir
         llama.load_seconds = time.perf_counter() - start
         return llama
 
@@ -163,6 +165,7 @@ class Llama:
         self.rank, self.world_size = 0, 1
         self.compiled_step = None  # set by build(compile=True): runs the steps after the prompt
         self.compile_seconds = 0.0
+        self.ckpt_dir: Optional[Path] = None  # where build() read the weights: part of the model's identity
         # How the linear layers' weights are held: None (float), or a description such as "int4-g32" set by
         # build(quantize=...) or by a quantized checkpoint. Part of the model's identity (prompt caches).
         self.quantization = None
@@ -179,6 +182,7 @@ class Llama:
         kv_cache: bool = True,
         on_step: Optional[StepCallback] = None,
         ignore_stop: bool = False,
+        session: Optional[Session] = None,
     ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt until it emits a stop token or reaches max_gen_len new tokens (or max_seq_len).
 
@@ -195,6 +199,8 @@ class Llama:
             on_step: called after every step with the position filled and the (bsz,) tokens put there.
             ignore_stop: run every row to max_gen_len new tokens (or max_seq_len), stop tokens included,
                 as benchmarks that need exact lengths do.
+            session: a KV cache kept between calls (llama/session.py), for one prompt: only the prompt's
+                tokens after the longest prefix it already holds are fed. The results are the same.
 
         Returns:
             (tokens, logprobs): per prompt, the returned token ids, ending before the stop token; and
@@ -214,6 +220,8 @@ class Llama:
                 raise LlamaError(f"prompt {i} is {len(t)} tokens long, more than max_seq_len {params.max_seq_len}")
             if min(t) < 0 or max(t) >= params.vocab_size:
                 raise LlamaError(f"prompt {i} holds token ids outside the vocabulary of {params.vocab_size}")
+        if session is not None and (bsz != 1 or not kv_cache):
+            raise LlamaError("a session keeps the KV cache of one sequence: give it one prompt, with the cache on")
 
         min_prompt_len = min(len(t) for t in prompt_tokens)
         max_prompt_len = max(len(t) for t in prompt_tokens)
@@ -222,7 +230,7 @@ class Llama:
         device = self.device
         # The token, mask and logprob buffers, and the cache: refuse before allocating what cannot fit.
         n_bytes = bsz * total_len * (8 + 1 + (4 if logprobs else 0))
-        n_bytes += self.model.kv_cache_nbytes(bsz, total_len) if kv_cache else 0
+        n_bytes += self.model.kv_cache_nbytes(bsz, total_len) if kv_cache and session is None else 0
         check_fits(n_bytes, device, f"generating {bsz} x {total_len} positions{' with a KV cache' if kv_cache else ''}")
         tokens = torch.zeros((bsz, total_len), dtype=torch.long, device=device)
         prompt_mask = torch.zeros((bsz, total_len), dtype=torch.bool, device=device)
@@ -234,8 +242,13 @@ class Llama:
         stop_ids = torch.tensor(stop_list, dtype=torch.long, device=device)
         stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
 
-        # Sized for this run, not for max_batch_size x max_seq_len: the last token is sampled, never fed.
-        cache = self.model.new_kv_cache(bsz, total_len) if kv_cache else None
+        prev_pos = 0
+        if session is not None:
+            # Echoed logprobs need the logits of every prompt position, so nothing can be skipped then.
+            cache, prev_pos = session.begin(prompt_tokens[0], reuse=not (logprobs and echo))
+        else:
+            # Sized for this run, not for max_batch_size x max_seq_len: the last token is sampled, never fed.
+            cache = self.model.new_kv_cache(bsz, total_len) if kv_cache else None
         self.last_kv_cache_bytes = sum(c.nbytes for c in cache) if cache else 0
 
         if min_prompt_len == total_len and logprobs:
@@ -243,12 +256,13 @@ class Llama:
             logits = self.model(tokens, 0)
             token_logprobs[:, 1:] = -F.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")
 
-        prev_pos, filled = 0, min_prompt_len
+        filled = min_prompt_len
         for cur_pos in range(min_prompt_len, total_len):
             # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
             num_logits = cur_pos - prev_pos if logprobs else 1
             # The prompt runs eagerly, so that a new prompt length never costs a compilation.
-            forward = self.compiled_step if self.compiled_step is not None and prev_pos > 0 else self.model
+            first = cur_pos == min_prompt_len
+            forward = self.compiled_step if self.compiled_step is not None and not first else self.model
             if kv_cache:
                 logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
             else:
@@ -272,6 +286,8 @@ class Llama:
                 on_step(cur_pos, next_token)
             if bool(stopped.all()):
                 break
+        if session is not None:
+            session.end(tokens[0, :prev_pos].tolist())  # the last token was sampled, never fed
 
         out_tokens, out_logprobs = [], []
         stop_set = set(stop_list)

@@ -2,13 +2,17 @@
 
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
-from llama.chat_format import Message, has_special_tags
+from llama.chat_format import has_special_tags
 from llama.cli.common import fail, run
 from llama.cli.loading import build_from_flags, is_main_rank
 from llama.cli.streaming import TextStream
+from llama.conversation import Conversation
+from llama.errors import LlamaError
 from llama.generation import check_sampling
+from llama.prompt_cache import PromptCacheError, check_writable
 
 HELP = "Type a message and press Enter. /reset clears the history; Ctrl-D (or /exit) leaves."
 
@@ -46,11 +50,15 @@ def main(
     dtype: str = None,
     stats: bool = False,
     compile: bool = False,
+    session: str = None,
 ):
     """Chat with a LLaMA model in the terminal.
 
-    Each reply streams as it is generated. The whole conversation is sent to the model every turn, in the
-    model's chat format, until it no longer fits in --max-seq-len (then /reset).
+    Each reply streams as it is generated. Every turn sends the whole conversation in the model's chat
+    format, but the KV cache is kept between turns, so only the tokens after what it already holds (the
+    new message, mostly) are fed to the model. When the conversation plus a reply of --max-gen-len tokens
+    no longer fits in --max-seq-len, the oldest exchanges are dropped (the system prompt stays), with a
+    note on stderr.
 
     Args:
         ckpt_dir: checkpoint directory in Meta's layout; default: the default model, fetched on first use.
@@ -64,17 +72,33 @@ def main(
         seed: seed of the sampler.
         device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
-        stats: after each reply, print its prefill time and decode tokens/s to stderr.
+        stats: after each reply, print to stderr the prompt tokens reused from the cache and prefilled,
+            the prefill time and the decode tokens/s.
         compile: compile the decode step with torch.compile before the chat starts: slower to start,
             faster replies. Needs a C++ compiler on the CPU.
+        session: a file that keeps the conversation and its KV cache: resumed from it (its messages, system
+            prompt included) when it exists and belongs to this model, saved to it after every reply. A file
+            from another model, or damaged, is reported in one line and replaced.
     """
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
+    if session is not None and no_kv_cache:
+        fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
+    if session is not None:
+        check_writable(Path(str(session)))
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile)
+    if session is not None and llama.world_size > 1:
+        fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)
-    start: List[Message] = [{"role": "system", "content": str(system)}] if system else []
-    dialog: List[Message] = list(start)
+    chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache)
+    if session is not None and Path(session).exists():
+        try:
+            n = chat.resume(Path(session))
+            print(f"(resumed {n} messages and {len(chat.session.tokens)} cached tokens from {session})",
+                  file=sys.stderr)
+        except PromptCacheError as e:
+            print(f"note: {e}; starting a new conversation, which will replace it", file=sys.stderr)
     if main_rank and sys.stdin.isatty():
         print(HELP, file=sys.stderr)
 
@@ -85,25 +109,26 @@ def main(
                 print(file=sys.stderr)
             return
         if line.strip() == "/reset":
-            dialog = list(start)
+            chat.reset()
             if main_rank:
                 print("(history cleared)", file=sys.stderr)
             continue
         if not line.strip():
             continue
-        candidate = dialog + [{"role": "user", "content": line}]
-        if has_special_tags(candidate, llama.tokenizer.chat_format):
+        if has_special_tags(chat.dialog + [{"role": "user", "content": line}], llama.tokenizer.chat_format):
             if main_rank:
                 print("(messages may not contain the chat format's own tags, such as [INST] or <|im_start|>)",
                       file=sys.stderr)
             continue
-        prompt = llama.dialog_tokens(candidate)
-        room = max_seq_len - len(prompt)
-        if room < 1:
+        try:
+            turn = chat.prepare(line)
+        except LlamaError as e:
             if main_rank:
-                print(f"(the conversation is {len(prompt)} tokens, which fills --max-seq-len {max_seq_len}; "
-                      "/reset to start over)", file=sys.stderr)
+                print(f"({e})", file=sys.stderr)
             continue
+        if turn.dropped and main_rank:
+            print(f"(the conversation no longer fits --max-seq-len {max_seq_len}: dropped the oldest "
+                  f"{turn.dropped} exchange{'s' if turn.dropped > 1 else ''})", file=sys.stderr)
 
         stream = TextStream(llama.tokenizer, [], sys.stdout) if main_rank else None
         times: List[float] = []
@@ -114,16 +139,16 @@ def main(
                 stream.push(next_tokens[0].item())
 
         t0 = time.perf_counter()
-        (reply_tokens,), _ = llama.generate([prompt], min(max_gen_len, room), temperature, top_p,
-                                           kv_cache=not no_kv_cache, on_step=on_step)
-        reply = llama.tokenizer.decode(reply_tokens)
+        reply = chat.respond(turn, temperature, top_p, on_step=on_step)
         if stream is not None:
-            stream.finish(reply_tokens)
+            stream.finish(reply.tokens)
             if stats and times:
                 rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
-                print(f"(prompt {len(prompt)} tokens, prefill {1000 * (times[0] - t0):.0f} ms, "
-                      f"{rate:.1f} tokens/s, kv cache {'on' if not no_kv_cache else 'off'})", file=sys.stderr)
-        dialog = candidate + [{"role": "assistant", "content": reply}]
+                print(f"(prompt {len(turn.prompt)} tokens: {reply.reused} reused from the cache, {reply.prefilled} "
+                      f"prefilled in {1000 * (times[0] - t0):.0f} ms; {rate:.1f} tokens/s; "
+                      f"kv cache {'on' if not no_kv_cache else 'off'})", file=sys.stderr)
+        if session is not None:
+            chat.save(Path(session))
 
 
 def cli() -> None:

@@ -10,6 +10,9 @@ from llama.cli.common import fail, run
 from llama.cli.loading import build_from_flags, is_main_rank
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
+from llama.identity import describe, model_identity
+from llama.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
+from llama.session import Session
 
 
 def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> List[str]:
@@ -55,6 +58,7 @@ def main(
     stream: bool = None,
     truncate: bool = False,
     compile: bool = False,
+    prompt_cache: str = None,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -62,6 +66,7 @@ def main(
         llama-generate --prompt "The capital of France is" --echo
         llama-generate --prompt "The capital of France is" --no-kv-cache --stats
         llama-generate --prompts-file prompts.txt --json --temperature 0
+        llama-generate --prompt "$(cat long-document.txt) Summary:" --prompt-cache doc.kv
 
     Args:
         prompt: the text to continue.
@@ -88,6 +93,9 @@ def main(
             that is too long is an error.
         compile: compile the decode step with torch.compile first: several times slower to start, about
             twice as fast per token on a CPU (see docs/benchmarks.md). Needs a C++ compiler on the CPU.
+        prompt_cache: a file of the prompt's keys and values. When it exists and belongs to this model, the
+            prompt's tokens after the longest prefix it holds are all that is fed; the prompt's keys and
+            values are then saved there for the next run. Same text as without it; one prompt only.
     """
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
@@ -96,7 +104,14 @@ def main(
     if len(prompts) > max_batch_size:
         fail(f"{len(prompts)} prompts exceed --max-batch-size {max_batch_size}; raise it or split the file")
 
+    if prompt_cache is not None and (len(prompts) > 1 or no_kv_cache):
+        fail("--prompt-cache keeps the KV cache of one prompt: give one --prompt, without --no-kv-cache")
+    if prompt_cache is not None:
+        check_writable(Path(str(prompt_cache)))
+
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile)
+    if prompt_cache is not None and llama.world_size > 1:
+        fail("--prompt-cache runs in one process, not under torchrun")
     tokenizer = llama.tokenizer
     prompt_tokens = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     main_rank = is_main_rank(llama)
@@ -122,11 +137,14 @@ def main(
             streamer.push(next_tokens[0].item())
 
     start = time.perf_counter()
+    cached = PromptCacheFile(llama, Path(str(prompt_cache))) if prompt_cache is not None else None
     out_tokens, out_logprobs = llama.generate(
         prompt_tokens, max_gen_len, temperature, top_p, logprobs=logprobs, echo=echo,
-        kv_cache=not no_kv_cache, on_step=on_step,
+        kv_cache=not no_kv_cache, on_step=on_step, session=cached.session if cached else None,
     )
     end = time.perf_counter()
+    if cached is not None:
+        cached.store(prompt_tokens[0])
     if not main_rank:
         return
 
@@ -159,9 +177,37 @@ def main(
             f"total:           {timings['total_s']:.2f} s",
             f"kv cache bytes:  {llama.last_kv_cache_bytes:,}",
         ]
+        if cached is not None:
+            lines.insert(3, f"prompt cache:    {cached.session.last_reused} tokens reused, "
+                            f"{cached.session.last_prefilled} prefilled (loading took {cached.load_s * 1000:.1f} ms)")
         if logprobs and not json:
             lines += [f"logprobs[{i}]:     " + " ".join(f"{lp:.3f}" for lp in lps) for i, lps in enumerate(out_logprobs)]
         print("\n".join(lines), file=sys.stderr)
+
+
+class PromptCacheFile:
+    """--prompt-cache: a session loaded from the file when it may be used, and the prompt stored after the run."""
+
+    def __init__(self, llama, path: Path):
+        start = time.perf_counter()
+        self.llama, self.path = llama, path
+        self.session = Session(llama.model)
+        self.identity = model_identity(llama)
+        self.loaded: List[int] = []
+        if path.exists():
+            try:
+                restore(self.session, load_prompt_cache(path, self.identity, llama.model.n_layers))
+                self.loaded = list(self.session.tokens)
+            except PromptCacheError as e:
+                if is_main_rank(llama):
+                    print(f"note: ignoring the prompt cache: {e}; it will be replaced", file=sys.stderr)
+        self.load_s = time.perf_counter() - start
+
+    def store(self, prompt: List[int]) -> None:
+        """Save the prompt's keys and values, unless the file holds exactly them already."""
+        self.session.keep(len(prompt))  # the generated tokens are not part of the prompt
+        if self.session.tokens != self.loaded and len(self.session.tokens) == len(prompt):
+            save_prompt_cache(self.path, self.session, self.identity, describe(self.llama))
 
 
 def _timings(start: float, step_times: List[float], end: float) -> dict:

@@ -1,0 +1,188 @@
+"""A chat whose KV cache outlives each reply: every reply equals a fresh run of the same dialog and the
+uncached reply, while each turn feeds only the new tokens. Both chat formats: ChatML on the default model,
+LLaMA-2's (which re-encodes earlier replies between </s><s>) on a random checkpoint with LLaMA-2's real
+tokenizer. A conversation that outgrows the context drops its oldest exchanges, keeping the system prompt.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import TEST_STD, tiny_args
+from llama import Llama
+from llama.checkpoint import write_random_checkpoint
+from llama.conversation import Conversation
+from llama.errors import LlamaError
+from llama.prompt_cache import PromptCacheError
+
+BIN = Path(sys.executable).parent
+MESSAGES = ["Hello! Who are you?", "What is the capital of France?", "And the capital of Italy?", "/reset",
+            "Name three colours.", "Why is the sky blue?", "Thank you, goodbye."]
+
+
+def llama2_tokenizer() -> Path:
+    path = Path(os.environ.get("LLAMA_HOME", "/work/llama-home")) / "llama2-tokenizer" / "tokenizer.model"
+    if not path.is_file():
+        pytest.skip(f"LLaMA-2's tokenizer is not in {path.parent}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama2_ckpt(tmp_path_factory) -> Path:
+    """A tiny random LLaMA-2 model with LLaMA-2's real 32,000-piece tokenizer (and so its chat format)."""
+    path = tmp_path_factory.mktemp("llama2") / "ckpt"
+    write_random_checkpoint(path, tiny_args("gqa", vocab_size=32000), seed=3, tokenizer_path=llama2_tokenizer(),
+                            std=TEST_STD)
+    return path
+
+
+def converse(llama, messages, kv_cache=True, system=None, max_gen_len=16):
+    """Run a scripted chat; returns (turn, reply) per message answered."""
+    chat = Conversation(llama, system, max_gen_len, kv_cache=kv_cache)
+    out = []
+    for text in messages:
+        if text == "/reset":
+            chat.reset()
+            continue
+        turn = chat.prepare(text)
+        out.append((turn, chat.respond(turn, temperature=0)))
+    return out
+
+
+def check_replies_equal_fresh_and_uncached(llama, messages, system=None, max_gen_len=16):
+    with_reuse = converse(llama, messages, True, system, max_gen_len)
+    uncached = converse(llama, messages, False, system, max_gen_len)
+    assert len(with_reuse) == len([m for m in messages if m != "/reset"]) >= 5
+    for (turn, reply), (u_turn, u_reply) in zip(with_reuse, uncached):
+        assert turn.prompt == u_turn.prompt and reply.tokens == u_reply.tokens and reply.text == u_reply.text
+        # A fresh run: the same dialog's tokens through a call that holds nothing.
+        (fresh,), _ = llama.generate([turn.prompt], turn.max_gen_len, temperature=0)
+        assert reply.tokens == fresh
+        assert reply.reused + reply.prefilled == len(turn.prompt)
+        assert (u_reply.reused, u_reply.prefilled) == (0, len(turn.prompt))
+    return with_reuse
+
+
+def test_llama2_format_replies_equal_fresh_runs_and_feed_only_the_new_tokens(llama2_ckpt):
+    llama = Llama.build(llama2_ckpt, max_seq_len=512, max_batch_size=1, device="cpu", dtype="float32")
+    assert llama.tokenizer.chat_format == "llama2" and llama.tokenizer.n_words == 32000
+    turns = check_replies_equal_fresh_and_uncached(llama, MESSAGES, system="Answer briefly.")
+    assert turns[0][1].reused == 0
+    for (prev, _), (turn, reply) in zip(turns, turns[1:]):
+        if len(turn.dialog) > len(prev.dialog):  # the same conversation, one exchange longer
+            # Everything up to the previous reply's re-encoding is reused; what is fed is about the new message.
+            assert reply.reused >= len(prev.prompt) - 2
+            assert reply.prefilled < len(turn.prompt) - len(prev.prompt) + 4
+        else:  # after /reset: the system prompt's tokens are still shared
+            assert reply.reused >= len(llama.tokenizer.encode("[INST] <<SYS>>\nAnswer briefly.", bos=True, eos=False)) - 2
+
+
+@pytest.mark.slow
+def test_chatml_replies_on_the_default_model_equal_fresh_runs():
+    from llama.download import default_model_dir
+
+    llama = Llama.build(default_model_dir(), max_seq_len=1024, max_batch_size=1, device="cpu", dtype="float32")
+    assert llama.tokenizer.chat_format == "chatml"
+    # Short replies: the uncached runs feed the whole dialog at every step.
+    turns = check_replies_equal_fresh_and_uncached(llama, MESSAGES, max_gen_len=8)
+    assert any(llama.tokenizer.decode(r.tokens).strip() for _, r in turns)
+    for (prev, _), (turn, reply) in zip(turns, turns[1:]):
+        if len(turn.dialog) > len(prev.dialog):
+            assert reply.reused >= len(prev.prompt)  # ChatML encodes message by message: a strict extension
+        else:
+            assert reply.reused > 20  # the default system prompt survives /reset in the cache
+
+
+def test_a_full_conversation_drops_its_oldest_exchanges_and_keeps_the_system_prompt(llama2_ckpt):
+    llama = Llama.build(llama2_ckpt, max_seq_len=96, max_batch_size=1, device="cpu", dtype="float32")
+    system = {"role": "system", "content": "Be kind."}
+    chat = Conversation(llama, system["content"], max_gen_len=12)
+    dropped_any = False
+    for i in range(8):
+        before = list(chat.dialog)
+        turn = chat.prepare(f"Message number {i}: tell me something.")
+        reply = chat.respond(turn, temperature=0)
+        assert turn.dialog[0] == system
+        assert len(turn.prompt) + 12 <= 96
+        # The dialog answered is the whole one, less its oldest exchanges: nothing is cut inside a message.
+        expected = before + [{"role": "user", "content": f"Message number {i}: tell me something."}]
+        assert turn.dialog == expected[:1] + expected[1 + 2 * turn.dropped:]
+        (fresh,), _ = llama.generate([turn.prompt], 12, temperature=0)
+        assert reply.tokens == fresh
+        dropped_any |= turn.dropped > 0
+    assert dropped_any
+
+    before = list(chat.dialog)
+    with pytest.raises(LlamaError, match="even without earlier turns"):
+        chat.prepare("word " * 200)
+    assert chat.dialog == before
+
+
+def test_a_saved_conversation_resumes_with_its_cache(llama2_ckpt, tmp_path):
+    llama = Llama.build(llama2_ckpt, max_seq_len=256, max_batch_size=1, device="cpu", dtype="float32")
+    whole = converse(llama, MESSAGES[:3])
+
+    first = Conversation(llama, max_gen_len=16)
+    for text in MESSAGES[:2]:
+        first.respond(first.prepare(text), temperature=0)
+    first.save(tmp_path / "chat.kv")
+
+    again = Llama.build(llama2_ckpt, max_seq_len=256, max_batch_size=1, device="cpu", dtype="float32")
+    resumed = Conversation(again, max_gen_len=16)
+    assert resumed.resume(tmp_path / "chat.kv") == 4
+    assert resumed.dialog == first.dialog
+    turn = resumed.prepare(MESSAGES[2])
+    reply = resumed.respond(turn, temperature=0)
+    assert reply.tokens == whole[2][1].tokens
+    assert reply.reused == whole[2][1].reused > 0  # resuming reuses what an unbroken chat would have
+
+    other, _ = write_random_checkpoint(tmp_path / "other", tiny_args("gqa", vocab_size=32000), seed=4,
+                                       tokenizer_path=llama2_tokenizer(), std=TEST_STD)
+    stranger = Conversation(Llama.build(other, max_seq_len=256, max_batch_size=1, device="cpu", dtype="float32"))
+    with pytest.raises(PromptCacheError, match="not by the model loaded now"):
+        stranger.resume(tmp_path / "chat.kv")
+    assert stranger.dialog == [] and stranger.session.tokens == []
+
+
+def chat(ckpt, *args, input: str):
+    result = subprocess.run([str(BIN / "llama-chat"), "--ckpt-dir", str(ckpt), "--temperature", "0",
+                             "--max-gen-len", "8", *map(str, args)], input=input, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def test_chat_command_reports_reuse_and_resumes_a_saved_session(gqa_ckpt, tmp_path):
+    messages = ["Hello there", "Tell me more", "And then?", "One more thing"]
+    whole = chat(gqa_ckpt, "--stats", input="\n".join(messages) + "\n")
+    replies = whole.stdout.splitlines()
+    assert len(replies) == 4
+    stats = [line for line in whole.stderr.splitlines() if line.startswith("(prompt ")]
+    assert len(stats) == 4 and " 0 reused from the cache" in stats[0]
+    for line in stats[1:]:
+        reused = int(line.split(": ")[1].split(" reused")[0])
+        assert reused > 10 and "prefilled in" in line and "tokens/s" in line
+
+    saved = tmp_path / "chat.kv"
+    first = chat(gqa_ckpt, "--session", saved, input="\n".join(messages[:3]) + "\n")
+    assert first.stdout.splitlines() == replies[:3] and saved.is_file()
+    resumed = chat(gqa_ckpt, "--session", saved, "--stats", input=messages[3] + "\n")
+    assert "(resumed 6 messages and" in resumed.stderr
+    assert resumed.stdout.splitlines() == replies[3:]
+    assert " 0 reused" not in resumed.stderr
+
+    saved.write_bytes(b"not a prompt cache")
+    fresh = chat(gqa_ckpt, "--session", saved, input=messages[0] + "\n")
+    notes = [line for line in fresh.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "starting a new conversation" in notes[0]
+    assert fresh.stdout.splitlines() == replies[:1]
+
+
+def test_chat_command_drops_the_oldest_exchanges_in_one_line(gqa_ckpt):
+    result = chat(gqa_ckpt, "--max-seq-len", "48", "--system", "Be kind.", input="Hello there\n" * 5)
+    notes = [line for line in result.stderr.splitlines() if "dropped the oldest" in line]
+    assert notes and all(line.startswith("(the conversation no longer fits --max-seq-len 48") for line in notes)
+    assert len(result.stdout.splitlines()) == 5  # every message was answered
