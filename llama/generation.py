@@ -20,7 +20,8 @@ from llama.errors import LlamaError
 from llama.model import Transformer
 from llama.parallel import parallelize
 from llama.progress import Progress
-from llama.quantize import describe
+from llama.quant_format import read_record
+from llama.quantize import check_method, describe, plan_for
 from llama.tokenizer import Tokenizer
 from llama.weights import choose_dtype, load_weights, open_checkpoint, resolve_plan
 
@@ -130,7 +131,7 @@ class Llama:
             LlamaError: a file is missing or malformed, or the weights do not match params.json.
         """
         device = local_device(resolve_device(device))
-        requested_dtype = dtype
+        dtype_given = dtype is not None
         dtype = resolve_dtype(dtype, device)
         rank, world_size = init_distributed(device, model_parallel_size)
         if compile and world_size > 1:
@@ -145,10 +146,14 @@ class Llama:
             model = Transformer(args)
         if world_size > 1:
             model = parallelize(model, world_size)
+        if dtype_given and read_record(ckpt_dir) is None:
+            # Refuse a model that cannot fit before even opening its files.
+            choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype, True,
+                         device, world_size)
         source = open_checkpoint(ckpt_dir, args)  # memory-mapped: nothing read yet
         plan = resolve_plan(model, source, quantize)
         # Refuse before reading gigabytes that cannot fit.
-        dtype, notes = choose_dtype(source, args, plan, dtype, requested_dtype is not None, device, world_size)
+        dtype, notes = choose_dtype(source, args, plan, dtype, dtype_given, device, world_size)
         model = load_weights(model, source, args, plan, rank, world_size, device, dtype,
                              column_major=device.type == "cpu" and not compile, progress=progress)
         llama = Llama(model, tokenizer, seed=seed)

@@ -5,13 +5,19 @@ tensors of `llama/quant_format.py` as buffers (`weight`, `scales`, `mins`), so t
 `state_dict()` is exactly the on-disk layout. The embedding and the norms stay float. `model.py` knows
 none of this; forward hooks (model parallelism's all-reduce and all-gather) move to the new layers.
 
-How each layer multiplies, chosen at run time:
-- eager, on the CPU: int8 with one scale per output channel uses `aten._weight_int8pack_mm` when torch
-  has it (a vectorized kernel for float32 activations); everything else (int4, grouped int8, other devices,
-  a torch without the kernel) dequantizes the weight and calls `F.linear`, which is always correct.
+How each layer multiplies, chosen at run time (docs/benchmarks.md has what each candidate measured):
+- eager, on the CPU: torch's private kernels, `aten._weight_int8pack_mm` (int8, one scale per output
+  channel) and `aten._weight_int4pack_mm_for_cpu` (int4 in groups of 32..256). Their vectorized paths take
+  bfloat16 activations only (float32 ones fall to a loop 50-500x slower), so the layer rounds its input
+  and its scales to bfloat16 and returns its output in the input's dtype; that costs about 3 significant
+  digits of each product, the price of the speed. The int4 kernel wants its own layout of the values:
+  `use_cpu_kernel_layout` converts a layer in place (its state_dict still gives the on-disk layout).
+- everything else (grouped int8, other devices, a torch without the kernels, `use_kernels(False)`):
+  dequantize the weight to the input's dtype and call `F.linear`: always correct, and exactly the float
+  model of the dequantized weights, but slow.
 - compiled (llama/compile.py), at up to `REDUCTION_MAX_ROWS` rows: the dequantization is written into the
-  dot-product reduction, so Inductor generates one loop that reads the packed bytes and never materialises
-  a float weight. See docs/benchmarks.md for what each candidate measured.
+  dot-product reduction in the input's dtype, so Inductor generates one loop that reads the packed bytes
+  and never materialises a float weight.
 """
 
 from typing import Dict, Optional, Tuple
@@ -23,7 +29,8 @@ from torch import nn
 from llama.compile import REDUCTION_MAX_ROWS
 from llama.errors import LlamaError
 from llama.quant_format import (
-    DEFAULT_INT4_GROUP_SIZE, METHODS, SCALE_DTYPE, dequantize, is_linear_weight, quantize_int4, quantize_int8,
+    DEFAULT_INT4_GROUP_SIZE, METHODS, SCALE_DTYPE, dequantize, is_linear_weight, pack_int4, quantize_int4,
+    quantize_int8, unpack_int4,
 )
 
 # weight name -> (method, group size); the group size of per-channel int8 is the input width.
@@ -108,10 +115,10 @@ class Int8Linear(_QuantizedLinear):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device="meta"))
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        if self.n_groups == 1 and int8_kernel_ok(x):
-            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight,
-                                                     self.scales.reshape(-1).to(x.dtype))
-            return out.reshape(*x.shape[:-1], self.out_features)
+        if self.n_groups == 1 and kernels_ok(x, _HAS_INT8_KERNEL):
+            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).bfloat16(), self.weight,
+                                                     self.scales.reshape(-1).bfloat16())
+            return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
         return super()._eager(x)
 
     def _reduction(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,10 +136,56 @@ class Int4Linear(_QuantizedLinear):
         super().__init__(in_features, out_features, group_size)
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device="meta"))
         self.register_buffer("mins", torch.empty_like(self.scales))
+        # Set by use_cpu_kernel_layout: `weight` then holds the kernel's layout, and these its scales.
+        self.kernel_layout = False
+        self.kernel_scales: Optional[torch.Tensor] = None
+
+    def use_cpu_kernel_layout(self) -> bool:
+        """Re-pack `weight` in place for `aten._weight_int4pack_mm_for_cpu`, if this torch and shape allow.
+
+        Returns whether it did. Row blocks are packed independently, so this works a slice at a time.
+        """
+        if (self.kernel_layout or not _HAS_INT4_KERNEL or self.weight.device.type != "cpu"
+                or self.group_size not in _INT4_KERNEL_GROUPS or self.out_features % _INT4_ROW_BLOCK):
+            return self.kernel_layout
+        rows = _INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * _INT4_ROW_BLOCK))
+        packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            unpack_int4(self.weight[r:r + rows]).to(torch.int32), 1) for r in range(0, self.out_features, rows)])
+        s, m = self.scales.float(), self.mins.float()
+        # The kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
+        self.kernel_scales = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (n_groups, out, 2)
+        self.weight = packed
+        self.kernel_layout = True
+        return True
+
+    def format_weight(self) -> torch.Tensor:
+        """`weight` in quant_format's layout, whichever layout the layer holds."""
+        if not self.kernel_layout:
+            return self.weight
+        return pack_int4(_from_kernel_layout(self.weight, self.in_features))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.format_weight(), self.scales, self.mins).to(dtype)
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_layout and kernels_ok(x, _HAS_INT4_KERNEL):
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).bfloat16(), self.weight,
+                                                             self.group_size, self.kernel_scales)
+            return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return super()._eager(x)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.format_weight()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.kernel_layout, self.kernel_scales = False, None  # what was loaded is quant_format's layout
 
     def _reduction(self, x: torch.Tensor) -> torch.Tensor:
         # sum_j (q_j * s + m) * x_j = s * sum_j q_j x_j + m * sum_j x_j, group by group; the low nibble holds
         # the even column and the high nibble the odd one.
+        assert not self.kernel_layout, "compile a model whose int4 layers hold quant_format's layout"
         group = self.in_features // self.n_groups
         xg = x.reshape(*x.shape[:-1], 1, self.n_groups, group // 2, 2)  # (..., 1, n_groups, group / 2, 2)
         packed = self.weight.reshape(self.out_features, self.n_groups, group // 2)  # (out, n_groups, group / 2)
@@ -142,16 +195,56 @@ class Int4Linear(_QuantizedLinear):
         return (dots * self.scales.to(x.dtype) + sums * self.mins.to(x.dtype)).sum(-1)
 
 
-def int8_kernel_ok(x: torch.Tensor) -> bool:
-    """Whether `aten._weight_int8pack_mm` can take `x`: a CPU tensor of a float type, on a torch that has it."""
-    return (_HAS_INT8_KERNEL and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and not _kernels_disabled)
+def kernels_ok(x: torch.Tensor, available: bool = True) -> bool:
+    """Whether a private CPU kernel (that this torch has: `available`) may multiply `x`."""
+    return available and not _kernels_disabled and x.device.type == "cpu" and x.dtype in _KERNEL_INPUTS
 
 
 # The private kernels come and go between torch releases; without them every layer takes the dequantizing
 # path. Tests switch them off (`use_kernels(False)`) to run that path on a torch that has them.
 _HAS_INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")
+_HAS_INT4_KERNEL = all(hasattr(torch.ops.aten, k) for k in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
+_INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+_INT4_ROW_BLOCK = 64  # the kernel packs rows in blocks of this many; a layer with a partial block keeps the fallback
+_KERNEL_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 _kernels_disabled = False
+
+
+def _from_kernel_layout(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Undo `_convert_weight_to_int4pack_for_cpu`: (out, in // 2) kernel bytes -> (out, in) values 0..15.
+
+    The kernel's layout is private and may change between releases, so it is learned rather than assumed:
+    packing a 64-row block whose values spell each position's index (four bits at a time) shows where each
+    value goes.
+    """
+    perm = _kernel_permutation(in_features)
+    blocks = unpack_int4(packed).reshape(-1, _INT4_ROW_BLOCK * in_features)  # (out / 64, 64 * in), kernel order
+    values = torch.empty_like(blocks)
+    values[:, perm] = blocks
+    return values.reshape(-1, in_features)
+
+
+_PERMUTATIONS: Dict[int, torch.Tensor] = {}
+
+
+def _kernel_permutation(in_features: int) -> torch.Tensor:
+    if in_features not in _PERMUTATIONS:
+        n = _INT4_ROW_BLOCK * in_features
+        index = torch.arange(n).reshape(_INT4_ROW_BLOCK, in_features)
+        perm = torch.zeros(n, dtype=torch.long)
+        for digit in range((n - 1).bit_length() // 4 + 1):
+            q = ((index >> (4 * digit)) & 15).to(torch.int32)
+            perm |= unpack_int4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)).reshape(-1).long() << (4 * digit)
+        _PERMUTATIONS[in_features] = perm
+    return _PERMUTATIONS[in_features]
+
+
+def use_cpu_kernel_layout(model: nn.Module) -> nn.Module:
+    """Re-pack every int4 layer of a model for the CPU kernel (for eager runs; compiled ones read the format)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.use_cpu_kernel_layout()
+    return model
 
 
 def use_kernels(enabled: bool) -> bool:

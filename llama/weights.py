@@ -27,7 +27,7 @@ from llama.errors import LlamaError
 from llama.model import ModelArgs
 from llama.progress import Progress, or_silent
 from llama.quant_format import RECORD_NAME, is_linear_weight, method_of, quantized_shapes, read_record
-from llama.quantize import Plan, check_method, describe, plan_for, quantize_weight, swap_linears
+from llama.quantize import Plan, check_method, describe, plan_for, quantize_weight, swap_linears, use_cpu_kernel_layout
 from llama.sharding import split_dim
 
 # Scratch for quantizing one weight (llama/quantize.py works 2**24 elements at a time, float32, a few copies).
@@ -180,34 +180,39 @@ def peak_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dtyp
     return model_bytes(full_shapes, plan, dtype, world_size) + in_flight
 
 
-def choose_dtype(source: Source, args: ModelArgs, plan: Plan, dtype: torch.dtype, explicit: bool,
+def choose_dtype(source: Optional[Source], args: ModelArgs, plan: Plan, dtype: torch.dtype, explicit: bool,
                  device: torch.device, world_size: int) -> Tuple[torch.dtype, List[str]]:
     """The dtype to load in, checked to fit in memory with everything loading takes; and notes for the user.
 
     A bf16 checkpoint whose float32 copy would not fit runs in bf16 on the CPU when no dtype was asked for.
+    `source` None checks `dtype` alone, before any weight file is opened.
 
     Raises:
         LlamaError: even the chosen way would not fit (in one line, with what would).
     """
     full = expected_shapes(args)
-    stored_itemsize = (source.float_dtype or torch.float32).itemsize
+    stored_dtype = source.float_dtype if source is not None else None
+    stored_itemsize = (stored_dtype or dtype).itemsize
+    n_shards = len(source.shards) if source is not None else 1
     free = available_memory(device)
 
     def need(d: torch.dtype) -> int:
-        return peak_bytes(full, plan, d, world_size, len(source.shards), stored_itemsize)
+        return peak_bytes(full, plan, d, world_size, n_shards, stored_itemsize)
 
     if free is None or need(dtype) <= free:
         return dtype, []
     gib = 2 ** 30
-    if (not explicit and device.type == "cpu" and dtype == torch.float32 and source.float_dtype == torch.bfloat16
+    if (not explicit and device.type == "cpu" and dtype == torch.float32 and stored_dtype == torch.bfloat16
             and need(torch.bfloat16) <= free):
         note = (f"the checkpoint is stored in bfloat16 and a float32 copy ({need(dtype) / gib:.1f} GiB) would not fit "
                 f"in the {free / gib:.1f} GiB available, so it runs in bfloat16 (--dtype chooses)")
         return torch.bfloat16, [note]
-    how = "int4 (--quantize int4)" if describe(plan) is None or not describe(plan).startswith("int4") else "more processes"
-    held = describe(plan) or str(dtype).removeprefix("torch.")
-    raise LlamaError(f"loading this model as {held} needs {need(dtype) / gib:.1f} GiB on {device} but only "
-                     f"{free / gib:.1f} GiB is available; try a smaller dtype (--dtype bfloat16), {how}, or another device")
+    kind = describe(plan)
+    held = f"{kind} with the rest in " if kind else ""
+    hint = "--quantize int4" if not (kind or "").startswith("int4") else "more model-parallel processes"
+    raise LlamaError(f"the model's weights in {held}{str(dtype).removeprefix('torch.')} needs {need(dtype) / gib:.1f} GiB "
+                     f"on {device} but only {free / gib:.1f} GiB is available; use a smaller dtype (--dtype bfloat16), "
+                     f"{hint}, or another device")
 
 
 def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, rank: int, world_size: int,
@@ -218,8 +223,8 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
     Args:
         plan: weight name -> (method, group size) for the linear layers to hold quantized (from the file, or
             to quantize as they load).
-        column_major: store float projections with more outputs than inputs input-major (see
-            Transformer.use_column_major_weights).
+        column_major: lay weights out for eager CPU runs: float projections with more outputs than inputs
+            input-major (see Transformer.use_column_major_weights), int4 ones in the CPU kernel's layout.
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
     """
     progress = or_silent(progress)
@@ -259,6 +264,11 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
     except RuntimeError as e:  # names or shapes that disagree with the model: a damaged checkpoint
         raise LlamaError(f"{source.ckpt_dir} does not fit the model params.json describes ({str(e).splitlines()[0]})") from None
     model.requires_grad_(False).eval()
+    if column_major and device.type == "cpu":
+        use_cpu_kernel_layout(model)
+        for name, (method, _) in source.stored_plan.items():
+            if method == "int4" and device.type == "cpu":
+                release_pages(state[name])  # re-packed: the file's copy of these bytes is no longer read
     return model
 
 
