@@ -37,8 +37,8 @@ from llama.quant_format import (
 Plan = Dict[str, Tuple[str, int]]
 
 # Quantize a float weight this many elements at a time, so that quantizing a 32000 x 4096 output layer needs
-# a few hundred MB of scratch, not several times the layer in float32.
-_CHUNK_ELEMENTS = 1 << 24
+# some tens of MB of scratch, not several times the layer in float32.
+_CHUNK_ELEMENTS = 1 << 22
 
 
 def check_method(quantize: Optional[str]) -> Optional[str]:
@@ -84,6 +84,7 @@ class _QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.group_size = group_size  # None: one group per row (int8 per output channel)
         n_groups = 1 if group_size is None else in_features // group_size
+        self.kernels = True  # may use the bf16 CPU kernels; False computes in the activations' dtype
         self.register_buffer("scales", torch.empty(out_features, n_groups, dtype=SCALE_DTYPE, device="meta"))
 
     @property
@@ -115,7 +116,7 @@ class Int8Linear(_QuantizedLinear):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device="meta"))
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        if self.n_groups == 1 and kernels_ok(x, _HAS_INT8_KERNEL):
+        if self.n_groups == 1 and self.kernels and kernels_ok(x, _HAS_INT8_KERNEL):
             out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).bfloat16(), self.weight,
                                                      self.scales.reshape(-1).bfloat16())
             return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -168,7 +169,7 @@ class Int4Linear(_QuantizedLinear):
         return dequantize(self.format_weight(), self.scales, self.mins).to(dtype)
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_layout and kernels_ok(x, _HAS_INT4_KERNEL):
+        if self.kernel_layout and self.kernels and kernels_ok(x, _HAS_INT4_KERNEL):
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).bfloat16(), self.weight,
                                                              self.group_size, self.kernel_scales)
             return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -237,6 +238,18 @@ def _kernel_permutation(in_features: int) -> torch.Tensor:
             perm |= unpack_int4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)).reshape(-1).long() << (4 * digit)
         _PERMUTATIONS[in_features] = perm
     return _PERMUTATIONS[in_features]
+
+
+def use_exact_layers(model: nn.Module) -> nn.Module:
+    """Make every quantized layer compute in its input's dtype (no bf16 kernels), in their stored layout.
+
+    For compiled runs: the compiled one-token step multiplies in float32, so the prompt and the uncached
+    steps must too, or the cache switch would compare bf16 products with float32 ones.
+    """
+    for module in model.modules():
+        if isinstance(module, _QuantizedLinear):
+            module.kernels = False
+    return model
 
 
 def use_cpu_kernel_layout(model: nn.Module) -> nn.Module:

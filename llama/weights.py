@@ -27,11 +27,14 @@ from llama.errors import LlamaError
 from llama.model import ModelArgs
 from llama.progress import Progress, or_silent
 from llama.quant_format import RECORD_NAME, is_linear_weight, method_of, quantized_shapes, read_record
-from llama.quantize import Plan, check_method, describe, plan_for, quantize_weight, swap_linears, use_cpu_kernel_layout
+from llama.quantize import (
+    Plan, check_method, describe, plan_for, quantize_weight, swap_linears, use_cpu_kernel_layout,
+    use_exact_layers,
+)
 from llama.sharding import split_dim
 
-# Scratch for quantizing one weight (llama/quantize.py works 2**24 elements at a time, float32, a few copies).
-_QUANTIZE_SCRATCH = 6 * 4 * (1 << 24)
+# Scratch for quantizing one weight (llama/quantize.py works 2**22 elements at a time, float32, a few copies).
+_QUANTIZE_SCRATCH = 6 * 4 * (1 << 22)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -216,15 +219,17 @@ def choose_dtype(source: Optional[Source], args: ModelArgs, plan: Plan, dtype: t
 
 
 def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, rank: int, world_size: int,
-                 device: torch.device, dtype: torch.dtype, column_major: bool,
+                 device: torch.device, dtype: torch.dtype, eager_cpu: bool,
                  progress: Optional[Progress] = None) -> nn.Module:
     """Fill `model` (built on the meta device, already split for `world_size` ranks) from `source`.
 
     Args:
         plan: weight name -> (method, group size) for the linear layers to hold quantized (from the file, or
             to quantize as they load).
-        column_major: lay weights out for eager CPU runs: float projections with more outputs than inputs
-            input-major (see Transformer.use_column_major_weights), int4 ones in the CPU kernel's layout.
+        eager_cpu: lay weights out for eager CPU runs: float projections with more outputs than inputs
+            input-major (see Transformer.use_column_major_weights), int4 ones in the CPU kernel's layout, and
+            quantized layers free to use the bf16 kernels. Otherwise (compiled runs, other devices) quantized
+            layers compute in the activations' dtype, so that every step of a run rounds alike.
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
     """
     progress = or_silent(progress)
@@ -248,7 +253,7 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
                 state[f"{name.removesuffix('.weight')}.{suffix}"] = tensor.to(device)
         elif local.dtype in _FLOAT_DTYPES:
             tensor = local.to(device=device, dtype=dtype)
-            if column_major and is_linear_weight(name) and tensor.shape[0] >= tensor.shape[1]:
+            if eager_cpu and is_linear_weight(name) and tensor.shape[0] >= tensor.shape[1]:
                 tensor = tensor.t().contiguous().t()
             state[name] = tensor
         else:
@@ -264,11 +269,17 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
     except RuntimeError as e:  # names or shapes that disagree with the model: a damaged checkpoint
         raise LlamaError(f"{source.ckpt_dir} does not fit the model params.json describes ({str(e).splitlines()[0]})") from None
     model.requires_grad_(False).eval()
-    if column_major and device.type == "cpu":
+    # Re-packing replaces each int4 weight; holding the old ones here would keep the model twice.
+    stored_int4 = [(layers[n.removesuffix(".weight")], state[n]) for n, (m, _) in source.stored_plan.items()
+                   if m == "int4" and device.type == "cpu"]
+    state.clear()
+    if not eager_cpu:
+        use_exact_layers(model)
+    elif device.type == "cpu":
         use_cpu_kernel_layout(model)
-        for name, (method, _) in source.stored_plan.items():
-            if method == "int4" and device.type == "cpu":
-                release_pages(state[name])  # re-packed: the file's copy of these bytes is no longer read
+        for layer, tensor in stored_int4:
+            if layer.kernel_layout:
+                release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
     return model
 
 

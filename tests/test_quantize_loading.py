@@ -1,0 +1,120 @@
+"""Quantized models under torchrun, and what loading tensor by tensor costs in memory."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EXAMPLE_TOKENIZER, build, write_tiny
+from llama import quant_format as qf
+from llama.checkpoint import save_checkpoint, write_random_checkpoint
+from llama.model import ModelArgs
+
+BIN = Path(sys.executable).parent
+PROMPTS = ["I believe the meaning of life is", "Hello", "def fibonacci(n):"]
+
+
+def generate(ckpt, prompts_file, nproc, *flags):
+    args = ["--ckpt-dir", str(ckpt), "--prompts-file", str(prompts_file), "--json", "--logprobs", "--echo",
+            "--temperature", "0", "--max-gen-len", "12", "--device", "cpu", *flags]
+    cmd = [str(BIN / "llama-generate")]
+    if nproc > 1:
+        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "--no-python"] + cmd
+    result = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return result
+
+
+def records(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(out) == len(PROMPTS)  # only rank 0 printed
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_shards(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("mpq") / "shards2", "gqa", num_shards=2, seed=11)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_torchrun_quantizes_each_ranks_slice_and_the_cache_switch_stays_exact(two_shards, prompts_file, method):
+    cached = records(generate(two_shards, prompts_file, 2, "--quantize", method))
+    uncached = records(generate(two_shards, prompts_file, 2, "--quantize", method, "--no-kv-cache"))
+    for a, b in zip(cached, uncached):
+        assert a["tokens"] == b["tokens"]
+        assert max(abs(p - q) for p, q in zip(a["logprobs"], b["logprobs"])) < 1e-5
+
+
+@pytest.mark.slow
+def test_torchrun_splits_a_stored_int4_checkpoint_by_whole_groups(tmp_path, prompts_file):
+    path, _ = write_tiny(tmp_path / "f", "gqa", seed=11)
+    state = build(path, quantize="int4").model.state_dict()
+    params = json.loads((path / "params.json").read_text())
+    save_checkpoint(tmp_path / "q", params, state, tokenizer_path=EXAMPLE_TOKENIZER,
+                    extra_files={qf.RECORD_NAME: qf.write_record("int4", 32, "test")})
+    one = records(generate(tmp_path / "q", prompts_file, 1, "--no-kv-cache"))
+    two = records(generate(tmp_path / "q", prompts_file, 2))
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in records(generate(tmp_path / "q", prompts_file, 2, "--no-kv-cache"))]
+    assert one[0]["text"] and two[0]["text"]
+
+
+@pytest.mark.slow
+def test_a_stored_per_channel_int8_checkpoint_that_cannot_split_is_refused_in_one_line(tmp_path, prompts_file):
+    path, _ = write_tiny(tmp_path / "f", "gqa", seed=11)
+    state = build(path, quantize="int8").model.state_dict()
+    params = json.loads((path / "params.json").read_text())
+    save_checkpoint(tmp_path / "q", params, state, tokenizer_path=EXAMPLE_TOKENIZER,
+                    extra_files={qf.RECORD_NAME: qf.write_record("int8", None, "test")})
+    result = generate(tmp_path / "q", prompts_file, 2)
+    assert result.returncode != 0
+    assert "do not split across 2 processes; run it in one process" in result.stderr
+    assert "Traceback" not in result.stderr.split("error:")[-1]
+
+
+PEAK_SCRIPT = """
+import resource, sys, torch
+from llama import Llama
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+llama = Llama.build(sys.argv[1], max_seq_len=16, max_batch_size=1, device="cpu", dtype=sys.argv[2],
+                    quantize=None if sys.argv[3] == "none" else sys.argv[3])
+llama.generate([[1, 2, 3]], 2, temperature=0)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+@pytest.fixture(scope="module")
+def mid_ckpt(tmp_path_factory):
+    """A bf16 checkpoint of about 210 MB: big enough that loading it twice over would show."""
+    args = ModelArgs(dim=1024, n_layers=8, n_heads=8, vocab_size=4000, multiple_of=256, max_seq_len=16, max_batch_size=1)
+    path, state = write_random_checkpoint(tmp_path_factory.mktemp("mid") / "mid", args, dtype=torch.bfloat16,
+                                          tokenizer_path=EXAMPLE_TOKENIZER)
+    return path, sum(t.numel() * t.element_size() for t in state.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,quantize,limit", [
+    ("bfloat16", "none", 1.2),  # the model itself, plus one tensor in flight
+    ("float32", "none", 2.2),  # twice the bf16 bytes: the float32 copy, never the file's pages on top
+    ("float32", "int8", 0.75),  # int8 is half the bf16 bytes (+ the float32 embedding)
+    ("float32", "int4", 0.45),  # int4 with scales and mins: 0.31 of the bf16 bytes
+])
+def test_peak_memory_of_loading_is_the_model_plus_one_tensor(mid_ckpt, dtype, quantize, limit):
+    path, nbytes = mid_ckpt
+    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), dtype, quantize], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    peak = int(result.stdout.split()[-1])
+    assert peak < limit * nbytes, f"peak {peak / 2**20:.0f} MiB for {nbytes / 2**20:.0f} MiB of bf16 weights"
