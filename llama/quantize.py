@@ -6,18 +6,19 @@ tensors of `llama/quant_format.py` as buffers (`weight`, `scales`, `mins`), so t
 none of this; forward hooks (model parallelism's all-reduce and all-gather) move to the new layers.
 
 How each layer multiplies, chosen at run time (docs/benchmarks.md has what each candidate measured):
-- eager, on the CPU: torch's private kernels, `aten._weight_int8pack_mm` (int8, one scale per output
-  channel) and `aten._weight_int4pack_mm_for_cpu` (int4 in groups of 32..256). Their vectorized paths take
-  bfloat16 activations only (float32 ones fall to a loop 50-500x slower), so the layer rounds its input
-  and its scales to bfloat16 and returns its output in the input's dtype; that costs about 3 significant
-  digits of each product, the price of the speed. The int4 kernel wants its own layout of the values:
+- eager, on the CPU, with bfloat16 activations (`--dtype bfloat16`): torch's private kernels,
+  `aten._weight_int8pack_mm` (int8, one scale per output channel) and `aten._weight_int4pack_mm_for_cpu`
+  (int4 in groups of 32..256), which take bf16 scales. The int4 kernel wants its own layout of the values:
   `use_cpu_kernel_layout` converts a layer in place (its state_dict still gives the on-disk layout).
-- everything else (grouped int8, other devices, a torch without the kernels, `use_kernels(False)`):
-  dequantize the weight to the input's dtype and call `F.linear`: always correct, and exactly the float
-  model of the dequantized weights, but slow.
+  With float32 activations these kernels fall to scalar loops (50-500x slower), and feeding them
+  activations rounded to bf16 would let the cached and uncached runs round differently: float32 runs
+  take the exact paths below.
 - compiled (llama/compile.py), at up to `REDUCTION_MAX_ROWS` rows: the dequantization is written into the
-  dot-product reduction in the input's dtype, so Inductor generates one loop that reads the packed bytes
-  and never materialises a float weight.
+  dot-product reduction in the activations' dtype, so Inductor generates one loop that reads the packed
+  bytes and never materialises a float weight. The fast path for float32 runs.
+- everything else (eager float32, grouped int8, other devices, a torch without the kernels,
+  `use_kernels(False)`): dequantize the weight to the activations' dtype and call `F.linear`: exactly the
+  float model of the dequantized weights, always available, and slow (it writes a float weight per call).
 """
 
 from typing import Dict, Optional, Tuple
@@ -117,9 +118,9 @@ class Int8Linear(_QuantizedLinear):
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         if self.n_groups == 1 and self.kernels and kernels_ok(x, _HAS_INT8_KERNEL):
-            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).bfloat16(), self.weight,
-                                                     self.scales.reshape(-1).bfloat16())
-            return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight,
+                                                     self.scales.reshape(-1).to(x.dtype))
+            return out.reshape(*x.shape[:-1], self.out_features)
         return super()._eager(x)
 
     def _reduction(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,9 +171,9 @@ class Int4Linear(_QuantizedLinear):
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_layout and self.kernels and kernels_ok(x, _HAS_INT4_KERNEL):
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).bfloat16(), self.weight,
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight,
                                                              self.group_size, self.kernel_scales)
-            return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+            return out.reshape(*x.shape[:-1], self.out_features)
         return super()._eager(x)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -197,8 +198,8 @@ class Int4Linear(_QuantizedLinear):
 
 
 def kernels_ok(x: torch.Tensor, available: bool = True) -> bool:
-    """Whether a private CPU kernel (that this torch has: `available`) may multiply `x`."""
-    return available and not _kernels_disabled and x.device.type == "cpu" and x.dtype in _KERNEL_INPUTS
+    """Whether a private CPU kernel (that this torch has: `available`) may multiply `x`: bf16 on the CPU."""
+    return available and not _kernels_disabled and x.device.type == "cpu" and x.dtype == torch.bfloat16
 
 
 # The private kernels come and go between torch releases; without them every layer takes the dequantizing
@@ -207,7 +208,6 @@ _HAS_INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")
 _HAS_INT4_KERNEL = all(hasattr(torch.ops.aten, k) for k in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
 _INT4_KERNEL_GROUPS = (32, 64, 128, 256)
 _INT4_ROW_BLOCK = 64  # the kernel packs rows in blocks of this many; a layer with a partial block keeps the fallback
-_KERNEL_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 _kernels_disabled = False
 
 

@@ -227,8 +227,8 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
         plan: weight name -> (method, group size) for the linear layers to hold quantized (from the file, or
             to quantize as they load).
         eager_cpu: lay weights out for eager CPU runs: float projections with more outputs than inputs
-            input-major (see Transformer.use_column_major_weights), int4 ones in the CPU kernel's layout, and
-            quantized layers free to use the bf16 kernels. Otherwise (compiled runs, other devices) quantized
+            input-major (see Transformer.use_column_major_weights) and, in bf16, int4 ones in the CPU
+            kernel's layout. Otherwise (compiled runs, other devices) quantized
             layers compute in the activations' dtype, so that every step of a run rounds alike.
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
     """
@@ -271,11 +271,11 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
     model.requires_grad_(False).eval()
     # Re-packing replaces each int4 weight; holding the old ones here would keep the model twice.
     stored_int4 = [(layers[n.removesuffix(".weight")], state[n]) for n, (m, _) in source.stored_plan.items()
-                   if m == "int4" and device.type == "cpu"]
+                   if m == "int4"]
     state.clear()
     if not eager_cpu:
         use_exact_layers(model)
-    elif device.type == "cpu":
+    elif device.type == "cpu" and dtype == torch.bfloat16:  # the kernels take bf16 activations only
         use_cpu_kernel_layout(model)
         for layer, tensor in stored_int4:
             if layer.kernel_layout:

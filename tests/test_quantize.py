@@ -62,30 +62,46 @@ def _dequantized_float_model(model):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_matches_a_float_model_holding_the_dequantized_weights(quantized, method):
-    """Without the private kernels both models multiply by the same float32 values; only the order of the
-    additions differs, so logits agree to float32 rounding (atol 1e-4 on logits of magnitude ~10). The
-    kernels round activations and scales to bfloat16 (8 significant bits, relative error 2^-9 each), so with
-    them the logits agree to about 1% of their spread."""
+    """In float32 both models multiply by the same float32 values; only the order of the additions differs,
+    so logits agree to float32 rounding (atol 1e-4 on logits of magnitude ~10)."""
     model = quantized[method].model
     reference = _dequantized_float_model(model)
     tokens = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        want = reference(tokens)
-        fast = model(tokens)
+        got, want = model(tokens), reference(tokens)
+    assert want.abs().max() > 1  # the comparison is not between two near-zero tensors
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def quantized_bf16(gqa_ckpt):
+    return {m: build(gqa_ckpt, quantize=m, dtype="bfloat16") for m in METHODS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bf16_kernels_match_the_float32_model_of_the_same_weights(quantized_bf16, method):
+    """In bf16 the kernels (or their fallback) round activations and scales to 8 significant bits (relative
+    error 2^-9 each, compounding over the layers): logits agree with float32 to about 2% of their spread,
+    the bar STYLE.md sets for any bf16 run."""
+    model = quantized_bf16[method].model
+    reference = _dequantized_float_model(model).float()
+    tokens = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got, want = model(tokens), reference(tokens)
         previous = use_kernels(False)
         try:
-            exact = model(tokens)
+            fallback = model(tokens)
         finally:
             use_kernels(previous)
-    assert want.abs().max() > 1  # the comparison is not between two near-zero tensors
-    torch.testing.assert_close(exact, want, rtol=0, atol=1e-4)
-    assert ((fast - want).norm() / want.norm()).item() < 1e-2
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    assert ((fallback - want).norm() / want.norm()).item() < 2e-2
 
 
-def test_int4_kernel_layout_gives_back_the_stored_values(quantized):
-    model = quantized["int4"].model
-    layer = model.layers[0].feed_forward.w1
-    assert layer.kernel_layout == kernels_ok(torch.zeros(1), hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf16):
+    assert not quantized["int4"].model.layers[0].feed_forward.w1.kernel_layout  # float32 runs keep the format
+    layer = quantized_bf16["int4"].model.layers[0].feed_forward.w1
+    assert layer.kernel_layout == kernels_ok(torch.zeros(1, dtype=torch.bfloat16),
+                                             hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
     fresh = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
     fresh.load_state_dict(layer.state_dict(), assign=True)
     assert not fresh.kernel_layout
@@ -204,7 +220,7 @@ def test_without_the_private_kernels_the_cache_switch_stays_exact(quantized, met
     prompts = [[1, 50, 7, 99], [1, 3000]]
     previous = use_kernels(False)
     try:
-        assert not kernels_ok(torch.zeros(1))
+        assert not kernels_ok(torch.zeros(1, dtype=torch.bfloat16))
         slow = llama.generate(prompts, 16, temperature=0, kv_cache=True)
         slow_uncached = llama.generate(prompts, 16, temperature=0, kv_cache=False)
     finally:

@@ -23,7 +23,7 @@ def generate(ckpt, prompts_file, nproc, *flags):
             "--temperature", "0", "--max-gen-len", "12", "--device", "cpu", *flags]
     cmd = [str(BIN / "llama-generate")]
     if nproc > 1:
-        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "--no-python"] + cmd
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--no-python"] + cmd
     result = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     return result
@@ -81,7 +81,8 @@ def test_a_stored_per_channel_int8_checkpoint_that_cannot_split_is_refused_in_on
     result = generate(tmp_path / "q", prompts_file, 2)
     assert result.returncode != 0
     assert "do not split across 2 processes; run it in one process" in result.stderr
-    assert "Traceback" not in result.stderr.split("error:")[-1]
+    # torchrun prints a traceback of its own when a rank exits non-zero; none may come from this project.
+    assert str(Path(__file__).resolve().parent.parent / "llama") not in result.stderr
 
 
 PEAK_SCRIPT = """
