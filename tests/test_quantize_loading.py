@@ -119,3 +119,44 @@ def test_peak_memory_of_loading_is_the_model_plus_one_tensor(mid_ckpt, dtype, qu
     assert result.returncode == 0, result.stderr[-2000:]
     peak = int(result.stdout.split()[-1])
     assert peak < limit * nbytes, f"peak {peak / 2**20:.0f} MiB for {nbytes / 2**20:.0f} MiB of bf16 weights"
+
+
+@pytest.fixture(scope="module")
+def bf16_tiny(tmp_path_factory):
+    from conftest import tiny_args
+
+    path, _ = write_random_checkpoint(tmp_path_factory.mktemp("bf16") / "tiny", tiny_args("gqa"), dtype=torch.bfloat16,
+                                      tokenizer_path=EXAMPLE_TOKENIZER, std=0.1)
+    return path
+
+
+def _needs(path):
+    """What loading the tiny bf16 checkpoint needs in float32 and in bf16, by the loader's own reckoning."""
+    from conftest import tiny_args
+    from llama.checkpoint import expected_shapes
+    from llama.weights import peak_bytes
+
+    full = expected_shapes(tiny_args("gqa"))
+    return peak_bytes(full, {}, torch.float32, 1, 1, 2), peak_bytes(full, {}, torch.bfloat16, 1, 1, 2)
+
+
+def test_a_bf16_checkpoint_whose_float32_copy_cannot_fit_runs_in_bf16_with_a_note(bf16_tiny, monkeypatch):
+    import llama.weights as weights
+    from llama.errors import LlamaError
+
+    need32, need16 = _needs(bf16_tiny)
+    assert need16 < need32
+    monkeypatch.setattr(weights, "available_memory", lambda device: (need16 + need32) // 2)
+    llama = build(bf16_tiny, dtype=None)
+    assert llama.model.tok_embeddings.weight.dtype == torch.bfloat16
+    assert len(llama.load_notes) == 1 and "runs in bfloat16" in llama.load_notes[0]
+    with pytest.raises(LlamaError, match="the model's weights in float32 needs .* GiB on cpu but only"):
+        build(bf16_tiny, dtype="float32")  # an explicit dtype still wins, and is refused before loading
+    monkeypatch.setattr(weights, "available_memory", lambda device: need16 // 2)
+    with pytest.raises(LlamaError, match="--quantize int4"):
+        build(bf16_tiny, dtype=None)  # not even bf16 fits: the error names what would
+
+
+def test_a_bf16_checkpoint_that_fits_in_float32_runs_in_float32_without_a_note(bf16_tiny):
+    llama = build(bf16_tiny, dtype=None)
+    assert llama.model.tok_embeddings.weight.dtype == torch.float32 and llama.load_notes == []
