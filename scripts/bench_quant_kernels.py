@@ -1,3 +1,14 @@
+"""Time each candidate for a quantized linear layer at one row of activations (a decode step), 2 threads.
+
+    python scripts/bench_quant_kernels.py 1536x576 576x1536 49152x576     # the default model's shapes
+    python scripts/bench_quant_kernels.py 11008x4096 4096x11008           # 7B's feed-forward
+
+For each OUTxIN weight: float32 F.linear (as stored and input-major), torch's private int8 and int4 kernels
+with float32 and bf16 activations, dequantize-then-F.linear, and the compiled reductions of
+llama/quantize.py (int8, int4 by group size) and llama/compile.py (float32). Prints microseconds per call
+and the weight bytes read per second. Take figures on a quiet machine: under load, two-thread kernels
+wait on each other's time slices and read 10-100x slow.
+"""
 import time, sys, torch, torch.nn.functional as F
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent.parent))
 from llama import quant_format as qf
