@@ -34,7 +34,7 @@ from llama.quantize import (
 from llama.sharding import split_dim
 
 # Scratch for quantizing one weight (llama/quantize.py works 2**22 elements at a time, float32, a few copies).
-_QUANTIZE_SCRATCH = 6 * 4 * (1 << 22)
+_QUANTIZE_SCRATCH = 8 * 4 * (1 << 22)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -252,9 +252,12 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
             for suffix, tensor in quantize_weight(local, *plan[name][:1], layer.group_size).items():
                 state[f"{name.removesuffix('.weight')}.{suffix}"] = tensor.to(device)
         elif local.dtype in _FLOAT_DTYPES:
-            tensor = local.to(device=device, dtype=dtype)
-            if eager_cpu and is_linear_weight(name) and tensor.shape[0] >= tensor.shape[1]:
-                tensor = tensor.t().contiguous().t()
+            if eager_cpu and is_linear_weight(name) and local.shape[0] >= local.shape[1]:
+                # Input-major in one copy (converting first, then transposing, would allocate twice).
+                tensor = torch.empty(local.shape[::-1], dtype=dtype, device=device).t()
+                tensor.copy_(local)
+            else:
+                tensor = local.to(device=device, dtype=dtype)
             state[name] = tensor
         else:
             state[name] = local.to(device)  # stored int8 / uint8 values and their scales stay as they are
@@ -280,6 +283,7 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
         for layer, tensor in stored_int4:
             if layer.kernel_layout:
                 release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
+    _return_free_memory()
     return model
 
 
@@ -296,6 +300,12 @@ if sys.platform.startswith("linux"):
         _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     except (OSError, AttributeError):
         _libc = None
+
+
+def _return_free_memory() -> None:
+    """Hand the scratch that loading freed back to the system (glibc keeps freed heap memory otherwise)."""
+    if _libc is not None and hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
 
 
 def release_pages(tensor: torch.Tensor) -> None:
