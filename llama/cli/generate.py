@@ -59,6 +59,7 @@ def main(
     truncate: bool = False,
     compile: bool = False,
     prompt_cache: str = None,
+    quantize: str = None,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -96,6 +97,9 @@ def main(
         prompt_cache: a file of the prompt's keys and values. When it exists and belongs to this model, the
             prompt's tokens after the longest prefix it holds are all that is fed; the prompt's keys and
             values are then saved there for the next run. Same text as without it; one prompt only.
+        quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
+            channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
+            loads as stored without it.
     """
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
@@ -109,7 +113,7 @@ def main(
     if prompt_cache is not None:
         check_writable(Path(str(prompt_cache)))
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile, quantize)
     if prompt_cache is not None and llama.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")
     tokenizer = llama.tokenizer
@@ -170,6 +174,7 @@ def main(
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
             f"compiled:        {f'yes, in {llama.compile_seconds:.1f} s' if compile else 'no'}",
+            f"weights:         {llama.quantization or str(llama.model.tok_embeddings.weight.dtype).removeprefix('torch.')}",
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
             f"generated:       {sum(generated)} tokens",
             f"prefill:         {timings['prefill_s'] * 1000:.1f} ms (to the first new token)",
