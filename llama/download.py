@@ -87,7 +87,9 @@ def fetch_smollm2(dest: Path) -> Path:
     _say(f"converting {SMOLLM2_GGUF} to {dest}")
     # The conversion is atomic, so a crash leaves no half checkpoint under dest; a complete one that a
     # concurrent download finished first is replaced by an identical one.
-    convert_gguf(gguf_path, dest, overwrite=True)
+    # Float weights, as before quantized checkpoints existed: the tests compare this model with
+    # transformers' float run. `llama-convert` of the same file keeps it int4.
+    convert_gguf(gguf_path, dest, overwrite=True, dequantize=True)
     _say(f"ready in {dest}")
     return dest
 

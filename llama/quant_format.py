@@ -148,8 +148,9 @@ def write_record(method: str, group_size: Optional[int], source: str) -> bytes:
 def record_for(state_dict: Dict[str, torch.Tensor], source: str) -> Optional[bytes]:
     """The `quantization.json` bytes that describe `state_dict`, None if it holds no quantized weight.
 
-    One method and group size throughout gives that method and size; anything else is "mixed" (each
-    tensor still says what it is: int4 has mins, and the group size is in / scales columns).
+    One method and group size throughout gives that method and size (None: one scale per output channel);
+    anything else is "mixed" (each tensor still says what it is: int4 has mins, and the group size is
+    in / scales columns).
     """
     kinds = set()
     for name, tensor in state_dict.items():
@@ -157,7 +158,7 @@ def record_for(state_dict: Dict[str, torch.Tensor], source: str) -> Optional[byt
             prefix = name.removesuffix(".scales")
             method = method_of(state_dict, f"{prefix}.weight")
             in_features = state_dict[f"{prefix}.weight"].shape[1] * (2 if method == "int4" else 1)
-            kinds.add((method, in_features // tensor.shape[1]))
+            kinds.add((method, None if tensor.shape[1] == 1 else in_features // tensor.shape[1]))
     if not kinds:
         return None
     if len(kinds) == 1:

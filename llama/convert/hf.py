@@ -17,6 +17,7 @@ from llama.convert.hf_tokenizer import tokenizer_config
 from llama.errors import LlamaError
 from llama.files import read_json_object
 from llama.model import ModelArgs
+from llama.progress import Progress
 
 # Meta's default rounding of the feed-forward width; hidden_dim is written only when it cannot say the width.
 MULTIPLE_OF = 256
@@ -130,15 +131,26 @@ def read_hf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[st
     return params, state_dict, _tokenizer_files(src, config)
 
 
-def convert_hf(src: Path, dest: Path, overwrite: bool = False) -> Path:
+def convert_hf(src: Path, dest: Path, overwrite: bool = False, quantize: Optional[str] = None,
+               progress: Optional[Progress] = None) -> Path:
     """Convert a Hugging Face LLaMA directory into a checkpoint directory in Meta's layout, atomically.
+
+    Args:
+        quantize: None, or "int8" / "int4" to quantize every linear weight (llama/convert/quantize.py).
+        progress: told of the tensors quantized and the bytes written.
 
     Raises:
         LlamaError: as `read_hf`, or `dest` exists and is not empty (without `overwrite`).
     """
+    from llama.convert.quantize import check_method, quantize_state_dict
+
+    check_method(quantize)
     check_dest(dest, overwrite)
     params, state_dict, files = read_hf(src)
-    return save_checkpoint(dest, params, state_dict, overwrite=overwrite, extra_files=files)
+    if quantize:
+        state_dict = quantize_state_dict(state_dict, quantize, progress)
+    return save_checkpoint(dest, params, state_dict, overwrite=overwrite, extra_files=files,
+                           quantization_source=f"--quantize {quantize} of {Path(src).name}", progress=progress)
 
 
 def _meta_name(name: str, src: Path) -> str:
