@@ -222,3 +222,40 @@ def test_converted_quantized_gguf_generates_like_its_float_conversion(tmp_path, 
     ours, _ = kept.generate(prompt, max_gen_len=16, temperature=0)
     reference, _ = wide.generate(prompt, max_gen_len=16, temperature=0)
     assert ours == reference
+
+
+def test_quantize_a_hugging_face_directory_memory_mapped(tmp_path):
+    from llama.convert.hf import convert_hf
+    from test_convert import save_hf, tiny_hf_model
+
+    src = save_hf(tiny_hf_model(tied=True), tmp_path / "hf")
+    wide = load(convert_hf(src, tmp_path / "wide"))
+    sd = load(convert_hf(src, tmp_path / "q", quantize="int4"))
+    # The feed-forward width, 200, is not a multiple of 32: w2 gets groups of 8 and the record says "mixed".
+    assert sd["layers.0.feed_forward.w2.scales"].shape == (64, 200 // 8)
+    assert quant_format.read_record(tmp_path / "q")["method"] == "mixed"
+    for name, w in wide.items():
+        if quant_format.is_linear_weight(name):
+            scales = sd[f"{name.removesuffix('.weight')}.scales"].float()
+            step = scales.repeat_interleave(w.shape[1] // scales.shape[1], dim=1)
+            assert ((ours_dequantized(sd, name) - w).abs() <= step / 2 + 1e-3 * w.abs().max()).all(), name
+        else:
+            assert torch.equal(sd[name], w), name
+
+
+@pytest.mark.slow
+def test_the_default_model_converts_to_int4_equal_to_its_own_file(tmp_path):
+    from llama.download import default_model_gguf
+
+    try:
+        src = default_model_gguf(fetch=False)
+    except Exception:
+        pytest.skip("the default model's GGUF file is not in $LLAMA_HOME")
+    ckpt = convert_gguf(src, tmp_path / "int4")
+    sd, raw = load(ckpt), gguf_tensors(src)
+    linear = [n for n in sd if quant_format.is_linear_weight(n)]
+    assert sum(quant_format.method_of(sd, n) == "int4" for n in linear) == len(linear) - 1  # all but the output
+    for name in linear:
+        # The output layer is the tied Q8_0 embedding, kept as int8.
+        t_type, data, shape = raw["token_embd.weight" if name == "output.weight" else gguf_name(name)]
+        assert torch.equal(ours_dequantized(sd, name), theirs_dequantized(data, t_type, shape)), name

@@ -6,6 +6,7 @@ layout. The source is read memory-mapped and each weight is quantized as it is r
 is never held in float: memory is about the quantized model plus one float32 weight.
 """
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
@@ -33,12 +34,22 @@ def check_method(method: Optional[str]) -> Optional[str]:
 
 
 def quantize_tensor(w: torch.Tensor, method: str, group_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
-    """A float (out, in) weight as {"weight", "scales"[, "mins"]} of `method` (group size: GROUP_SIZES')."""
+    """A float (out, in) weight as {"weight", "scales"[, "mins"]} of `method`.
+
+    The group size is `group_size`, else GROUP_SIZES'; an int4 weight whose width it does not divide gets
+    the largest group that does (their greatest common divisor).
+
+    Raises:
+        LlamaError: int4 of a weight with an odd number of columns, which cannot be packed in pairs.
+    """
     group_size = group_size or GROUP_SIZES[method]
     if method == "int8":
         q, scales = quant_format.quantize_int8(w, group_size)
         return {"weight": q, "scales": scales}
-    packed, scales, mins = quant_format.quantize_int4(w, group_size)
+    if w.shape[1] % 2:
+        raise LlamaError(f"int4 packs columns in pairs, and a weight of this model has {w.shape[1]}; "
+                         "use --quantize int8")
+    packed, scales, mins = quant_format.quantize_int4(w, math.gcd(group_size, w.shape[1]))
     return {"weight": packed, "scales": scales, "mins": mins}
 
 
