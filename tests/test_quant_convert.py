@@ -168,6 +168,8 @@ def test_quantize_a_float_checkpoint_within_half_a_step(tmp_path, method):
         # Half a step, plus float16's rounding of the min for int4.
         assert (error <= step / 2 + 1e-3 * w.abs().max()).all(), name
     assert (ckpt / "tokenizer.model").read_bytes() == EXAMPLE_TOKENIZER.read_bytes()
+    again = convert_cli(ckpt, tmp_path / "again", "--quantize", method)
+    assert again.returncode == 1 and "already quantized" in again.stderr and not (tmp_path / "again").exists()
 
 
 def test_quantize_a_gguf_requantizes_only_what_is_not_in_that_method(tmp_path):
