@@ -9,8 +9,8 @@ float tensors keep their type.
 """
 
 import json
-from pathlib import Path
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -20,9 +20,9 @@ from llama import quant_format
 from llama.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
 from llama.convert.gguf_quant import EXACT_TYPES, KEPT_TYPES, dequantize_exact, keep_quantized
 from llama.convert.gguf_scan import check_gguf_structure
-from llama.convert.quantize import add_quantized, check_method, quantize_tensor
 from llama.convert.hf import meta_params, tied_output
 from llama.convert.hf_tokenizer import byte_level_tokenizer_json, tokenizer_config
+from llama.convert.quantize import add_quantized, check_method, quantize_tensor
 from llama.errors import LlamaError
 from llama.progress import Progress, or_silent
 
