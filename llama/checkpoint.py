@@ -6,6 +6,7 @@ A checkpoint directory holds:
     tokenizer.model        optional here; Meta ships it one directory up
 """
 
+import itertools
 import json
 import math
 import os
@@ -13,14 +14,17 @@ import shutil
 import tempfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from llama import quant_format
 from llama.errors import LlamaError
 from llama.files import read_json_object
 from llama.model import ModelArgs, Transformer
+from llama.progress import Progress, or_silent
 from llama.sharding import merge_shards, shard_for_rank, shard_state_dict, split_dim
+from llama.tensor_file import TensorFileWriter, TensorSpec
 
 # Meta's checkpoints carry the rotary frequencies as a tensor; the model recomputes them, so it is dropped.
 IGNORED_KEYS = ("rope.freqs",)
@@ -254,25 +258,69 @@ def _write_dir_atomically(dest: Path, write, overwrite: bool) -> None:
 
 def save_checkpoint(ckpt_dir: Path, params: Dict, state_dict: Dict[str, torch.Tensor], num_shards: int = 1,
                     tokenizer_path: Optional[Path] = None, overwrite: bool = False,
-                    extra_files: Optional[Dict[str, bytes]] = None) -> Path:
+                    extra_files: Optional[Dict[str, bytes]] = None, quantization_source: str = "",
+                    progress: Optional[Progress] = None) -> Path:
     """Write a checkpoint in Meta's exact layout, atomically.
+
+    Quantized weights (`P.weight` int8 or packed int4 with `P.scales` and `P.mins`, llama/quant_format.py)
+    are written as they are, and the directory records their quantization in quantization.json, so that
+    loading needs no flag. Every file loads with `torch.load(weights_only=True)`.
 
     Args:
         ckpt_dir: the directory to create.
         params: the params.json fields.
-        state_dict: the whole model's weights with Meta's names.
+        state_dict: the whole model's weights with Meta's names, float or quantized.
         num_shards: how many model-parallel shards to split the weights into.
         tokenizer_path: a tokenizer file to copy in beside the weights, as tokenizer.model (or
             tokenizer.json for a Hugging Face one).
         overwrite: replace an existing non-empty directory.
         extra_files: more files to write beside the weights, by name, inside the same atomic step.
+        quantization_source: where quantized weights came from, for the record (e.g. "GGUF Q4_0").
+        progress: told of the bytes written.
+
+    Raises:
+        LlamaError: the destination exists, the weights do not split into `num_shards`, or a write failed.
+    """
+    _check_splits({k: v.shape for k, v in state_dict.items()}, num_shards)
+    record = quant_format.record_for(state_dict, quantization_source)
+    extra_files = dict(extra_files or {}, **({quant_format.RECORD_NAME: record} if record else {}))
+    shards = shard_state_dict(state_dict, num_shards)
+    specs = [{k: (v.shape, v.dtype) for k, v in shard.items()} for shard in shards]
+
+    def fill(writers: List[TensorFileWriter]) -> None:
+        done, total = 0, sum(t.numel() * t.element_size() for t in state_dict.values())
+        for name in state_dict:
+            for writer, shard in zip(writers, shards):
+                writer.write(name, shard[name])
+            done += state_dict[name].numel() * state_dict[name].element_size()
+            or_silent(progress)("writing checkpoint", done, total)
+
+    return write_checkpoint_files(ckpt_dir, params, specs, fill, tokenizer_path, overwrite, extra_files)
+
+
+def write_checkpoint_files(ckpt_dir: Path, params: Dict, shard_specs: List[Dict[str, TensorSpec]],
+                           fill: Callable[[List[TensorFileWriter]], None], tokenizer_path: Optional[Path] = None,
+                           overwrite: bool = False, extra_files: Optional[Dict[str, bytes]] = None) -> Path:
+    """Write a checkpoint directory atomically, its weight files filled one tensor at a time.
+
+    Args:
+        shard_specs: for each consolidated.NN.pth, its tensors' names, shapes and dtypes.
+        fill: called with one `TensorFileWriter` per shard; it writes every tensor of each.
+        The rest: as for `save_checkpoint`.
     """
 
     def write(tmp: Path) -> None:
         (tmp / "params.json").write_text(json.dumps(params, indent=2) + "\n")
-        for i, shard in enumerate(shard_state_dict(state_dict, num_shards)):
-            # clone() so each file holds only its own slice, not the whole tensor a view points into.
-            torch.save({k: v.clone() for k, v in shard.items()}, tmp / f"consolidated.{i:02d}.pth")
+        writers = []
+        try:
+            for i, specs in enumerate(shard_specs):
+                writers.append(TensorFileWriter(tmp / f"consolidated.{i:02d}.pth", specs))
+            fill(writers)
+        finally:
+            for writer in writers:
+                writer.close()
+        for writer in writers:
+            writer.check_complete()
         if tokenizer_path is not None:
             name = "tokenizer.json" if str(tokenizer_path).endswith(".json") else "tokenizer.model"
             shutil.copyfile(tokenizer_path, tmp / name)
@@ -288,6 +336,16 @@ def save_checkpoint(ckpt_dir: Path, params: Dict, state_dict: Dict[str, torch.Te
     return Path(ckpt_dir)
 
 
+def _check_splits(shapes: Dict[str, torch.Size], num_shards: int) -> None:
+    if num_shards < 1:
+        raise LlamaError(f"the number of shards must be at least 1, not {num_shards}")
+    for name, shape in shapes.items():
+        dim = split_dim(name)
+        if dim is not None and dim < len(shape) and shape[dim] % num_shards:
+            raise LlamaError(f"{name} of shape {tuple(shape)} does not split into {num_shards} shards; "
+                             "choose a number of shards that divides it")
+
+
 def random_state_dict(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
                       std: float = 0.02) -> Dict[str, torch.Tensor]:
     """Weights of the given shape, drawn like a freshly initialised LLaMA (normal, std 0.02; norms at 1).
@@ -295,15 +353,17 @@ def random_state_dict(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch
     Tests of tiny models pass a larger `std`: it makes the next-token distribution peaked, so greedy
     decoding is not decided by near-ties.
     """
+    return {name: tensor.to(dtype) for name, tensor in _random_tensors(args, seed, std)}
+
+
+def _random_tensors(args: ModelArgs, seed: int, std: float) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, float32 tensor) for each weight, drawn one at a time from one generator."""
     generator = torch.Generator().manual_seed(seed)
-    state_dict = {}
     for name, shape in expected_shapes(args).items():
         if name.endswith("norm.weight"):
-            tensor = torch.ones(shape)
+            yield name, torch.ones(shape)
         else:
-            tensor = torch.empty(shape).normal_(0.0, std, generator=generator)
-        state_dict[name] = tensor.to(dtype)
-    return state_dict
+            yield name, torch.empty(shape).normal_(0.0, std, generator=generator)
 
 
 def params_dict(args: ModelArgs) -> Dict:
@@ -315,9 +375,40 @@ def params_dict(args: ModelArgs) -> Dict:
 def write_random_checkpoint(ckpt_dir: Path, args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
                             tokenizer_path: Optional[Path] = None, num_shards: int = 1,
                             overwrite: bool = False, std: float = 0.02) -> Tuple[Path, Dict[str, torch.Tensor]]:
-    """Write a random-weight checkpoint of shape `args` in Meta's layout; returns its path and weights."""
-    state_dict = random_state_dict(args, seed, dtype, std)
+    """Write a random-weight checkpoint of shape `args` in Meta's layout; returns its path and weights.
+
+    The weights are read back from the files (memory-mapped when there is one shard); for models too big
+    to hold, call `write_random_weights`.
+    """
+    path = write_random_weights(ckpt_dir, args, seed, dtype, tokenizer_path, num_shards, overwrite, std)
+    return path, load_checkpoint(path, args)
+
+
+def write_random_weights(ckpt_dir: Path, args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
+                         tokenizer_path: Optional[Path] = None, num_shards: int = 1, overwrite: bool = False,
+                         std: float = 0.02, progress: Optional[Progress] = None) -> Path:
+    """Write a random-weight checkpoint of shape `args` in Meta's layout, one tensor at a time.
+
+    Memory stays at about one float32 tensor (the largest is the embedding: 0.5 GB for 7B), whatever the
+    model's size. The weights are those of `random_state_dict(args, seed, dtype, std)`.
+
+    Raises:
+        LlamaError: the destination exists, the weights do not split into `num_shards`, or a write failed.
+    """
+    shapes = expected_shapes(args)
     # Meta's own files carry the rotary frequencies too; writing them keeps these files exactly like theirs.
-    on_disk = dict(state_dict)
-    on_disk["rope.freqs"] = (1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))).to(dtype)
-    return save_checkpoint(ckpt_dir, params_dict(args), on_disk, num_shards, tokenizer_path, overwrite), state_dict
+    shapes["rope.freqs"] = torch.Size((args.head_dim // 2,))
+    _check_splits(shapes, num_shards)
+    specs = [{name: (shape, dtype) for name, shape in _local_shapes(shapes, num_shards).items()}] * num_shards
+    total = sum(shape.numel() for shape in shapes.values())
+
+    def fill(writers: List[TensorFileWriter]) -> None:
+        done = 0
+        rope = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))
+        for name, tensor in itertools.chain(_random_tensors(args, seed, std), [("rope.freqs", rope)]):
+            for writer, piece in zip(writers, shard_state_dict({name: tensor.to(dtype)}, num_shards)):
+                writer.write(name, piece[name])
+            done += tensor.numel()
+            or_silent(progress)("writing random weights", done, total)
+
+    return write_checkpoint_files(ckpt_dir, params_dict(args), specs, fill, tokenizer_path, overwrite)

@@ -86,8 +86,10 @@ def fetch_smollm2(dest: Path, progress: Optional[Progress] = None) -> Path:
     gguf_path = _fetch_gguf(dest.parent / SMOLLM2_GGUF, progress)
     # The conversion is atomic, so a crash leaves no half checkpoint under dest; a complete one that a
     # concurrent download finished first is replaced by an identical one.
+    # Float weights, as before quantized checkpoints existed: the tests compare this model with
+    # transformers' float run. `llama-convert` of the same file keeps it int4.
     with step(progress, f"converting {SMOLLM2_GGUF} to {dest}"):
-        convert_gguf(gguf_path, dest, overwrite=True)
+        convert_gguf(gguf_path, dest, overwrite=True, dequantize=True)
     return dest
 
 

@@ -145,6 +145,28 @@ def write_record(method: str, group_size: Optional[int], source: str) -> bytes:
     return (json.dumps(record, indent=2) + "\n").encode()
 
 
+def record_for(state_dict: Dict[str, torch.Tensor], source: str) -> Optional[bytes]:
+    """The `quantization.json` bytes that describe `state_dict`, None if it holds no quantized weight.
+
+    One method and group size throughout gives that method and size (None: one scale per output channel);
+    anything else is "mixed" (each tensor still says what it is: int4 has mins, and the group size is
+    in / scales columns).
+    """
+    kinds = set()
+    for name, tensor in state_dict.items():
+        if name.endswith(".scales"):
+            prefix = name.removesuffix(".scales")
+            method = method_of(state_dict, f"{prefix}.weight")
+            in_features = state_dict[f"{prefix}.weight"].shape[1] * (2 if method == "int4" else 1)
+            kinds.add((method, None if tensor.shape[1] == 1 else in_features // tensor.shape[1]))
+    if not kinds:
+        return None
+    if len(kinds) == 1:
+        (method, group_size), = kinds
+        return write_record(method, group_size, source)
+    return write_record("mixed", None, source)
+
+
 def read_record(ckpt_dir: Path) -> Optional[Dict]:
     """`ckpt_dir`'s quantization record, None for a float checkpoint.
 

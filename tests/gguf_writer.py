@@ -118,12 +118,34 @@ def write_llama_gguf(
     return path
 
 
+# Where the float16 super-block scales lie in the blocks of the types the gguf package cannot quantize.
+RAW_SCALE_OFFSETS = {Q.Q6_K: (208,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q8_1: (0,)}
+
+
+def random_blocks(rows: int, columns: int, qtype: Q, seed: int = 0) -> np.ndarray:
+    """Random raw blocks of `qtype` (rows, bytes per row), their float16 scales small and positive."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * columns // block_size, type_size), dtype=np.uint8)
+    for offset in RAW_SCALE_OFFSETS[qtype]:
+        scale = (0.001 + 0.01 * rng.random(blocks.shape[0])).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
 def _add_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, qtype: Q) -> None:
-    """Add one float32 array stored as `qtype`."""
+    """Add one float32 array stored as `qtype`.
+
+    The gguf package cannot quantize the k-quants (or Q8_1): those tensors get random valid blocks instead
+    of `array`'s values.
+    """
     if qtype == Q.F32:
         writer.add_tensor(name, array)
     elif qtype == Q.F16:
         writer.add_tensor(name, array.astype(np.float16))
+    elif qtype in RAW_SCALE_OFFSETS:
+        seed = int.from_bytes(name.encode()[-4:], "little")
+        writer.add_tensor(name, random_blocks(*array.shape, qtype, seed=seed), raw_dtype=qtype)
     else:
         # quantize() returns the raw blocks as uint8 rows; raw_dtype tells the writer their logical shape.
         writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)

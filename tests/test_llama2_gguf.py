@@ -41,7 +41,9 @@ def gguf_dir(vocab_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def converted(gguf_dir, tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("converted") / "ckpt"
-    result = subprocess.run([str(BIN / "llama-convert"), str(gguf_dir / "model.gguf"), str(dest)],
+    # Float weights: these tests edit them and compare float logits with transformers' (tests of the
+    # quantized conversion are in test_quant_convert.py).
+    result = subprocess.run([str(BIN / "llama-convert"), str(gguf_dir / "model.gguf"), str(dest), "--dequantize"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return dest

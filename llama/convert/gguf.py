@@ -2,22 +2,29 @@
 
 GGUF keeps Meta's order of the q and k rows: llama.cpp's converter permutes Hugging Face weights back to
 the interleaved rotary layout, which is why transformers permutes them again when it loads a GGUF file.
-So the weights need only new names and dequantizing. Quantized tensors become float32 (their exact
-dequantized values); float tensors keep their type.
+So the weights need only new names. Linear layers' weights of types Q8_0, Q4_0 and Q4_1 stay quantized,
+exactly (llama/convert/gguf_quant.py), and the k-quants Q6_K, Q4_K and Q5_K become the nearest of our
+formats; other quantized types, and the embedding, become float32 (their exact dequantized values);
+float tensors keep their type.
 """
 
 import json
+from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
+from llama import quant_format
 from llama.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
+from llama.convert.gguf_quant import EXACT_TYPES, KEPT_TYPES, dequantize_exact, keep_quantized
 from llama.convert.gguf_scan import check_gguf_structure
 from llama.convert.hf import meta_params, tied_output
 from llama.convert.hf_tokenizer import byte_level_tokenizer_json, tokenizer_config
+from llama.convert.quantize import add_quantized, check_method, quantize_tensor
 from llama.errors import LlamaError
+from llama.progress import Progress, or_silent
 
 ARCHITECTURE = "llama"
 
@@ -38,8 +45,18 @@ _TOP_NAMES = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "
 _IGNORED = ("rope_freqs.weight",)
 
 
-def read_gguf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, bytes]]:
-    """Read a LLaMA GGUF file.
+def read_gguf(src: Path, dequantize: bool = False, quantize: Optional[str] = None,
+              notice: Optional[Callable[[str], None]] = None,
+              progress: Optional[Progress] = None) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, bytes]]:
+    """Read a LLaMA GGUF file, keeping quantized linear weights quantized (see the module's docstring).
+
+    Args:
+        src: the .gguf file.
+        dequantize: make every tensor float instead, as stored values dequantized.
+        quantize: "int8" or "int4": every linear weight ends in that method; weights already quantized
+            with it are kept, all others are dequantized and quantized again.
+        notice: told, once per GGUF type, what became of its tensors (one line each).
+        progress: told of the tensors read.
 
     Returns:
         (params, state_dict, files): params.json fields, the weights with Meta's names, and the tokenizer
@@ -54,8 +71,11 @@ def read_gguf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[
     if not src.is_file():
         raise LlamaError(f"GGUF file {src} does not exist; check the path")
     check_gguf_structure(src)
+    check_method(quantize)
+    if dequantize and quantize:
+        raise LlamaError("--dequantize and --quantize contradict each other; pass one")
     try:
-        return _read_gguf(src, gguf)
+        return _read_gguf(src, gguf, dequantize, quantize, notice, progress)
     except LlamaError:
         raise
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as e:
@@ -65,7 +85,8 @@ def read_gguf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[
         raise LlamaError(f"{src} is not a valid GGUF file ({reason}); download it again") from None
 
 
-def _read_gguf(src: Path, gguf: Any) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, bytes]]:
+def _read_gguf(src: Path, gguf: Any, dequantize: bool, quantize: Optional[str], notice: Optional[Callable[[str], None]],
+               progress: Optional[Progress]) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[str, bytes]]:
     reader = gguf.GGUFReader(src)
     meta = _Metadata(reader, src)
     arch = meta.get("general.architecture")
@@ -77,11 +98,40 @@ def _read_gguf(src: Path, gguf: Any) -> Tuple[Dict[str, Any], Dict[str, torch.Te
     if scaling not in (None, "none"):
         raise LlamaError(f"{src} uses {scaling!r} rope scaling, which this tool does not implement")
 
-    state_dict = {}
-    for tensor in reader.tensors:
-        if tensor.name in _IGNORED:
-            continue
-        state_dict[_meta_name(tensor.name, src)] = _to_torch(tensor, src, gguf)
+    state_dict: Dict[str, torch.Tensor] = {}
+    methods: Dict[str, Tuple[str, int]] = {}  # quantized weight -> (method, group size), for the shape check
+    fates: Dict[str, Counter] = {}  # GGUF type -> what became of its tensors -> how many
+    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+    tensors = [(_meta_name(t.name, src), t) for t in reader.tensors if t.name not in _IGNORED]
+    names = [name for name, _ in tensors]
+    if "output.weight" not in names and "tok_embeddings.weight" in names:
+        # Tied embeddings: the output layer is the embedding's matrix, and a quantized one stays quantized there.
+        tensors.append(("output.weight", tensors[names.index("tok_embeddings.weight")][1]))
+    for i, (name, tensor) in enumerate(tensors):
+        type_name = tensor.tensor_type.name
+        parts, fate = None, None if tensor.tensor_type in float_types else "dequantized to float32"
+        if quant_format.is_linear_weight(name) and not dequantize and len(tensor.shape) == 2:
+            shape = tuple(int(n) for n in reversed(tensor.shape))
+            kept_as = KEPT_TYPES.get(type_name)
+            if kept_as is not None and quantize in (None, kept_as[0]):
+                parts = keep_quantized(type_name, tensor.data, shape, lambda: _to_torch(tensor, src, gguf))
+                fate = kept_as[2] if parts is not None else "dequantized to float32 (a scale beyond float16's range)"
+            if parts is None and quantize is not None:
+                parts = quantize_tensor(_to_torch(tensor, src, gguf), quantize)
+                fate = f"quantized to {quantize}"
+        if parts is not None:
+            add_quantized(state_dict, name, parts)
+            scales = parts["scales"]
+            group = parts["weight"].shape[1] * (2 if "mins" in parts else 1) // scales.shape[1]
+            methods[name] = ("int4" if "mins" in parts else "int8", group)
+        else:
+            state_dict[name] = _to_torch(tensor, src, gguf)
+        if fate is not None:
+            fates.setdefault(type_name, Counter())[fate] += 1
+        or_silent(progress)("reading GGUF tensors", i + 1, len(tensors))
+    for type_name, counts in fates.items():
+        for fate, n in counts.items():
+            (notice or _ignore)(f"{n} {type_name} tensor{'s' if n > 1 else ''}: {fate}")
     tied_output(state_dict)
 
     dim, n_heads = meta.require(f"{arch}.embedding_length"), meta.require(f"{arch}.attention.head_count")
@@ -106,19 +156,30 @@ def _read_gguf(src: Path, gguf: Any) -> Tuple[Dict[str, Any], Dict[str, torch.Te
         raise LlamaError(f"{src} carries no tokenizer vocabulary (tokenizer.ggml.tokens); it cannot be run without one")
     # The metadata must describe the tensors the file holds, or the checkpoint would convert but never load.
     args = model_args(params, max_seq_len=1, max_batch_size=1, source=str(src))
-    check_state_dict(state_dict, expected_shapes(args), str(src))
+    check_state_dict(state_dict, quant_format.quantized_shapes(expected_shapes(args), methods), str(src))
     return params, state_dict, _tokenizer_files(meta, src, tokens)
 
 
-def convert_gguf(src: Path, dest: Path, overwrite: bool = False) -> Path:
+def convert_gguf(src: Path, dest: Path, overwrite: bool = False, dequantize: bool = False,
+                 quantize: Optional[str] = None, notice: Optional[Callable[[str], None]] = None,
+                 progress: Optional[Progress] = None) -> Path:
     """Convert a LLaMA GGUF file into a checkpoint directory in Meta's layout, atomically.
+
+    Quantized weights stay quantized, and the directory's quantization.json says how (see `read_gguf`
+    for `dequantize`, `quantize`, `notice` and `progress`).
 
     Raises:
         LlamaError: as `read_gguf`, or `dest` exists and is not empty (without `overwrite`).
     """
     check_dest(dest, overwrite)
-    params, state_dict, files = read_gguf(src)
-    return save_checkpoint(dest, params, state_dict, overwrite=overwrite, extra_files=files)
+    params, state_dict, files = read_gguf(src, dequantize, quantize, notice, progress)
+    source = f"GGUF {Path(src).name}" + (f", --quantize {quantize}" if quantize else "")
+    return save_checkpoint(dest, params, state_dict, overwrite=overwrite, extra_files=files,
+                           quantization_source=source, progress=progress)
+
+
+def _ignore(line: str) -> None:
+    """The notice callback for callers who want no notices."""
 
 
 def _float32_value(value: float) -> float:
@@ -165,6 +226,8 @@ def _to_torch(tensor: Any, src: Path, gguf: Any) -> torch.Tensor:
         # numpy has no bfloat16: reinterpret the raw bytes as int16 and view them as bf16 in torch.
         raw = np.ascontiguousarray(tensor.data).view(np.int16).copy()
         return torch.from_numpy(raw).view(torch.bfloat16).reshape(shape)
+    if tensor.tensor_type.name in EXACT_TYPES and len(shape) == 2:
+        return dequantize_exact(tensor.tensor_type.name, tensor.data, shape)
     try:
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:

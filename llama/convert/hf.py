@@ -7,6 +7,8 @@ conversion script permutes the rows to match. Undoing that permutation is the on
 """
 
 import json
+import math
+import mmap
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -17,6 +19,7 @@ from llama.convert.hf_tokenizer import tokenizer_config
 from llama.errors import LlamaError
 from llama.files import read_json_object
 from llama.model import ModelArgs
+from llama.progress import Progress
 
 # Meta's default rounding of the feed-forward width; hidden_dim is written only when it cannot say the width.
 MULTIPLE_OF = 256
@@ -130,15 +133,26 @@ def read_hf(src: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], Dict[st
     return params, state_dict, _tokenizer_files(src, config)
 
 
-def convert_hf(src: Path, dest: Path, overwrite: bool = False) -> Path:
+def convert_hf(src: Path, dest: Path, overwrite: bool = False, quantize: Optional[str] = None,
+               progress: Optional[Progress] = None) -> Path:
     """Convert a Hugging Face LLaMA directory into a checkpoint directory in Meta's layout, atomically.
+
+    Args:
+        quantize: None, or "int8" / "int4" to quantize every linear weight (llama/convert/quantize.py).
+        progress: told of the tensors quantized and the bytes written.
 
     Raises:
         LlamaError: as `read_hf`, or `dest` exists and is not empty (without `overwrite`).
     """
+    from llama.convert.quantize import check_method, quantize_state_dict
+
+    check_method(quantize)
     check_dest(dest, overwrite)
     params, state_dict, files = read_hf(src)
-    return save_checkpoint(dest, params, state_dict, overwrite=overwrite, extra_files=files)
+    if quantize:
+        state_dict = quantize_state_dict(state_dict, quantize, progress)
+    return save_checkpoint(dest, params, state_dict, overwrite=overwrite, extra_files=files,
+                           quantization_source=f"--quantize {quantize} of {Path(src).name}", progress=progress)
 
 
 def _meta_name(name: str, src: Path) -> str:
@@ -175,27 +189,71 @@ def _weight_files(src: Path, pattern: str, index_name: str) -> List[Path]:
 
 
 def _read_weights(src: Path) -> Dict[str, torch.Tensor]:
+    """Every weight of the directory, memory-mapped: the model is read from disk as each tensor is used."""
     safetensors = _weight_files(src, "*.safetensors", "model.safetensors.index.json")
     bins = _weight_files(src, "pytorch_model*.bin", "pytorch_model.bin.index.json")
     state_dict: Dict[str, torch.Tensor] = {}
     if safetensors:
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         for path in safetensors:
-            try:
-                state_dict.update(load_file(path))
-            except (SafetensorError, OSError) as e:
-                raise LlamaError(f"cannot read {path} ({e})") from None
+            state_dict.update(_map_safetensors(path))
     elif bins:
         for path in bins:
             try:
-                state_dict.update(torch.load(path, map_location="cpu", weights_only=True))
+                state_dict.update(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
             except Exception as e:  # torch raises many types for a bad file
                 raise LlamaError(f"cannot read {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     else:
         raise LlamaError(f"{src} holds no *.safetensors or pytorch_model*.bin weights")
     return state_dict
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+def _map_safetensors(path: Path) -> Dict[str, torch.Tensor]:
+    """A .safetensors file's tensors as views of a private memory map (pages are read when touched).
+
+    The format: an 8-byte little-endian header length, a JSON header giving each tensor's dtype, shape and
+    byte range, then the data.
+    """
+    def bad(reason: str) -> LlamaError:
+        return LlamaError(f"cannot read {path} ({reason}); it is not a complete safetensors file")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 8:
+            raise bad("it is too short")
+        header_len = int.from_bytes(f.read(8), "little")
+        if header_len > size - 8:
+            raise bad("its header runs past the end")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise bad(f"its header is not JSON: {e}") from None
+        data_len = size - 8 - header_len
+        # ACCESS_COPY: a private, writable map, so torch gets a writable buffer and the file is never changed.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if data_len else None
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            shape = [int(n) for n in info["shape"]]
+            begin, end = (int(n) for n in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name} has a dtype, shape or offsets it cannot understand") from None
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if not 0 <= begin <= end <= data_len or end - begin != math.prod(shape) * itemsize:
+            raise bad(f"tensor {name}'s bytes do not match its shape")
+        if end == begin:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=8 + header_len + begin)
+        tensors[name] = flat.view(dtype).reshape(shape)
+    return tensors
 
 
 def _tokenizer_files(src: Path, config: Dict[str, Any]) -> Dict[str, bytes]:
