@@ -18,6 +18,7 @@ from llama.compile import compile_step
 from llama.distributed import check_fits, init_distributed, local_device, resolve_device, resolve_dtype
 from llama.errors import LlamaError
 from llama.model import Transformer
+from llama.onednn import use_onednn_linears
 from llama.parallel import parallelize
 from llama.tokenizer import Tokenizer
 
@@ -143,6 +144,7 @@ class Llama:
         model.requires_grad_(False).eval()
         if device.type == "cpu" and not compile:
             model.use_column_major_weights()  # the compiled step reads weights row by row, as they load
+            use_onednn_linears(model)  # where this torch has oneDNN's linear op (llama/onednn.py)
         llama = Llama(model, tokenizer, seed=seed)
         if compile:
             compile_start = time.perf_counter()

@@ -12,6 +12,7 @@ weight read per second that it implies. Candidates that this torch build lacks a
     mkl packed               torch.ops.mkl._mkl_linear on a weight packed by _mkl_reorder_linear_weight
     onednn packed            torch.ops.mkldnn._linear_pointwise on a weight from mkldnn._reorder_linear_weight
     onednn, plain weight     torch.ops.mkldnn._linear_pointwise on the (out, in) weight as it is
+    onednn, column-major     the same on the input-major copy
 The "decode step" line adds up each kernel's passes: the matrix-product part of one decode step.
 """
 
@@ -49,8 +50,10 @@ def candidates(weights: List[torch.Tensor], rows: int) -> Dict[str, Optional[Cal
         out["onednn packed"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn]
         out["onednn, plain weight"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                                  for w in weights]
+        out["onednn, column-major"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                                 for w in column_major]
     except (AttributeError, RuntimeError):
-        out["onednn packed"] = out["onednn, plain weight"] = None
+        out["onednn packed"] = out["onednn, plain weight"] = out["onednn, column-major"] = None
     return out
 
 
