@@ -32,6 +32,7 @@ def main(
     max_gen_len: int = None,
     max_batch_size: int = 4,
     no_kv_cache: bool = False,
+    quantize: str = None,
 ):
     """Reply to three example dialogs and print each exchange.
 
@@ -44,8 +45,10 @@ def main(
         max_gen_len: the most tokens per reply; default: up to max_seq_len.
         max_batch_size: the most dialogs in one batch.
         no_kv_cache: feed the whole prefix every step instead of caching keys and values.
+        quantize: int8 or int4: hold the linear layers' weights quantized (see llama-generate --help).
     """
-    generator = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=1, device=None, dtype=None)
+    generator = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=1, device=None, dtype=None,
+                                 quantize=quantize)
     results = generator.chat_completion(DIALOGS, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
                                         kv_cache=not no_kv_cache)
     if is_main_rank(generator):

@@ -26,6 +26,7 @@ def main(
     max_gen_len: int = 64,
     max_batch_size: int = 4,
     no_kv_cache: bool = False,
+    quantize: str = None,
 ):
     """Continue four example prompts and print each continuation.
 
@@ -38,8 +39,10 @@ def main(
         max_gen_len: the most new tokens per prompt.
         max_batch_size: the most prompts in one batch.
         no_kv_cache: feed the whole prefix every step instead of caching keys and values.
+        quantize: int8 or int4: hold the linear layers' weights quantized (see llama-generate --help).
     """
-    generator = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=1, device=None, dtype=None)
+    generator = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=1, device=None, dtype=None,
+                                 quantize=quantize)
     results = generator.text_completion(PROMPTS, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
                                         kv_cache=not no_kv_cache)
     if is_main_rank(generator):

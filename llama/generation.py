@@ -13,14 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
-from llama.checkpoint import find_tokenizer, load_checkpoint, model_args, read_params
+from llama.checkpoint import find_tokenizer, model_args, read_params
 from llama.compile import compile_step
 from llama.distributed import check_fits, init_distributed, local_device, resolve_device, resolve_dtype
 from llama.errors import LlamaError
 from llama.model import Transformer
 from llama.onednn import use_onednn_linears
 from llama.parallel import parallelize
+from llama.progress import Progress
+from llama.quant_format import read_record
+from llama.quantize import check_method, describe, plan_for
 from llama.tokenizer import Tokenizer
+from llama.weights import choose_dtype, load_weights, open_checkpoint, resolve_plan
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -95,6 +99,8 @@ class Llama:
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[Union[str, torch.dtype]] = None,
         compile: bool = False,
+        quantize: Optional[str] = None,
+        progress: Optional[Progress] = None,
     ) -> "Llama":
         """Load a checkpoint in Meta's layout.
 
@@ -114,11 +120,19 @@ class Llama:
                 The batch-1 step with the cache is compiled before build returns (46 s on a 2-core CPU with
                 an empty Inductor cache, about 12 s once Inductor has cached it); other batch sizes and the
                 uncached step compile at their first use. Needs a C++ compiler on the CPU; one process only.
+            quantize: None, "int8" (per output channel) or "int4" (groups of 32 columns): quantize every
+                linear layer as it loads (llama/quantize.py). A checkpoint stored quantized (it has
+                quantization.json) loads as stored without it; asking it for another method is an error.
+            progress: told ("loading weights", done, total) as the tensors load (llama/progress.py).
+
+        A checkpoint stored in bfloat16 whose float32 copy would not fit in memory runs in bfloat16 on the
+        CPU when no dtype is given; `load_notes` then says so.
 
         Raises:
             LlamaError: a file is missing or malformed, or the weights do not match params.json.
         """
         device = local_device(resolve_device(device))
+        dtype_given = dtype is not None
         dtype = resolve_dtype(dtype, device)
         rank, world_size = init_distributed(device, model_parallel_size)
         if compile and world_size > 1:
@@ -133,24 +147,26 @@ class Llama:
             model = Transformer(args)
         if world_size > 1:
             model = parallelize(model, world_size)
+        if dtype_given and read_record(ckpt_dir) is None:
+            # Refuse a model that cannot fit before even opening its files.
+            choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype, True,
+                         device, world_size)
+        source = open_checkpoint(ckpt_dir, args)  # memory-mapped: nothing read yet
+        plan = resolve_plan(model, source, quantize)
         # Refuse before reading gigabytes that cannot fit.
-        n_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-        check_fits(n_bytes, device, f"the model's weights in {str(dtype).removeprefix('torch.')}")
-        state_dict = load_checkpoint(ckpt_dir, args, rank, world_size)
-        # assign=True adopts the (memory-mapped) tensors instead of copying into freshly allocated ones;
-        # .to() copies only where the device or dtype differs.
-        state_dict = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
-        model.load_state_dict(state_dict, strict=True, assign=True)
-        model.requires_grad_(False).eval()
+        dtype, notes = choose_dtype(source, args, plan, dtype, dtype_given, device, world_size)
+        model = load_weights(model, source, args, plan, rank, world_size, device, dtype,
+                             eager_cpu=device.type == "cpu" and not compile, progress=progress)
         if device.type == "cpu" and not compile:
-            model.use_column_major_weights()  # the compiled step reads weights row by row, as they load
-            use_onednn_linears(model)  # where this torch has oneDNN's linear op (llama/onednn.py)
+            use_onednn_linears(model)  # float32 layers, where this torch has oneDNN's linear op (llama/onednn.py)
         llama = Llama(model, tokenizer, seed=seed)
         if compile:
             compile_start = time.perf_counter()
             llama.compiled_step = compile_step(model)
             llama.compile_seconds = time.perf_counter() - compile_start
         llama.rank, llama.world_size = rank, world_size
+        llama.quantization = describe(plan)
+        llama.load_notes = notes
         llama.load_seconds = time.perf_counter() - start
         return llama
 
@@ -167,6 +183,7 @@ class Llama:
         # How the linear layers' weights are held: None (float), or a description such as "int4-g32" set by
         # build(quantize=...) or by a quantized checkpoint. Part of the model's identity (prompt caches).
         self.quantization = None
+        self.load_notes: List[str] = []  # what build() decided for the user that they should hear of
 
     @torch.inference_mode()
     def generate(

@@ -141,3 +141,12 @@ def test_more_bad_input_in_process(tmp_path, capsys, monkeypatch, content, args,
         cli()
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit.value.code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_models_keep_the_cache_switch_exact(gqa_ckpt, method):
+    quantized = build(gqa_ckpt, max_seq_len=64, max_batch_size=1, quantize=method)
+    tokens = text_tokens(3 * CTX, seed=3)
+    cached = perplexity(quantized, tokens, CTX, kv_cache=True, chunk_size=5)
+    uncached = perplexity(quantized, tokens, CTX, kv_cache=False)
+    assert cached.window_perplexities == pytest.approx(uncached.window_perplexities, rel=1e-5)

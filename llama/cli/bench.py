@@ -53,6 +53,7 @@ def main(
     plot: bool = True,
     warmup: int = 8,
     compile: bool = False,
+    quantize: str = None,
 ):
     """Generate with and without the KV cache over a sweep of lengths and report what each costs.
 
@@ -81,6 +82,9 @@ def main(
         warmup: tokens generated once before measuring, to settle kernels and allocators (and, with
             --compile, to compile every batch size and mode before the clock starts).
         compile: measure the compiled decode step (torch.compile) instead of the eager one.
+        quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
+            channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
+            loads as stored without it.
     """
     lengths = _ints(lengths, "--lengths")
     batch_sizes = _ints(batch_sizes, "--batch-sizes")
@@ -90,7 +94,7 @@ def main(
     if time_budget <= 0:
         fail(f"--time-budget must be positive, not {time_budget}")
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype, compile)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype, compile, quantize)
     prompt_tokens = llama.tokenizer.encode(str(prompt), bos=True, eos=False)
     longest = min(max(lengths), max_seq_len - len(prompt_tokens))
     if longest < 1:
@@ -197,7 +201,8 @@ def _environment(llama, ckpt_dir, prompt_tokens) -> dict:
         "checkpoint": str(ckpt_dir) if ckpt_dir else "default model",
         "device": f"{device} ({name})",
         "threads": torch.get_num_threads(),
-        "dtype": str(llama.model.output.weight.dtype).removeprefix("torch."),
+        "dtype": str(llama.model.tok_embeddings.weight.dtype).removeprefix("torch."),
+        "quantization": llama.quantization,
         "compiled": llama.compiled_step is not None,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -241,7 +246,8 @@ def _plot(runs: List[Run], lengths: List[int], path: Path, meta: dict):
     if ax2.lines:
         ax2.legend()
     compiled = ", torch.compile" if meta["compiled"] else ""
-    fig.suptitle(f"{meta['checkpoint']} - {meta['device']}, {meta['dtype']}{compiled}, {meta['threads']} threads, "
+    quant = f" {meta['quantization']}" if meta.get('quantization') else ""
+    fig.suptitle(f"{meta['checkpoint']} - {meta['device']}, {meta['dtype']}{quant}{compiled}, {meta['threads']} threads, "
                  f"torch {meta['torch']}", fontsize=9)
     fig.tight_layout()
     png = io.BytesIO()

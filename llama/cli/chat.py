@@ -46,6 +46,7 @@ def main(
     dtype: str = None,
     stats: bool = False,
     compile: bool = False,
+    quantize: str = None,
 ):
     """Chat with a LLaMA model in the terminal.
 
@@ -67,11 +68,14 @@ def main(
         stats: after each reply, print its prefill time and decode tokens/s to stderr.
         compile: compile the decode step with torch.compile before the chat starts: slower to start,
             faster replies. Needs a C++ compiler on the CPU.
+        quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
+            channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
+            loads as stored without it.
     """
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile, quantize)
     main_rank = is_main_rank(llama)
     start: List[Message] = [{"role": "system", "content": str(system)}] if system else []
     dialog: List[Message] = list(start)

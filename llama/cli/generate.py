@@ -55,6 +55,7 @@ def main(
     stream: bool = None,
     truncate: bool = False,
     compile: bool = False,
+    quantize: str = None,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -88,6 +89,9 @@ def main(
             that is too long is an error.
         compile: compile the decode step with torch.compile first: several times slower to start, about
             twice as fast per token on a CPU (see docs/benchmarks.md). Needs a C++ compiler on the CPU.
+        quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
+            channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
+            loads as stored without it.
     """
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
@@ -96,7 +100,7 @@ def main(
     if len(prompts) > max_batch_size:
         fail(f"{len(prompts)} prompts exceed --max-batch-size {max_batch_size}; raise it or split the file")
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile, quantize)
     tokenizer = llama.tokenizer
     prompt_tokens = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
     main_rank = is_main_rank(llama)
@@ -152,6 +156,7 @@ def main(
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
             f"compiled:        {f'yes, in {llama.compile_seconds:.1f} s' if compile else 'no'}",
+            f"weights:         {llama.quantization or str(llama.model.tok_embeddings.weight.dtype).removeprefix('torch.')}",
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
             f"generated:       {sum(generated)} tokens",
             f"prefill:         {timings['prefill_s'] * 1000:.1f} ms (to the first new token)",

@@ -1,7 +1,10 @@
 """Loading the model the way every command does: flags in, a ready Llama out."""
 
 import sys
+from pathlib import Path
 from typing import Optional
+
+from llama.cli.progress import ProgressPrinter
 
 from llama.errors import LlamaError
 from llama.generation import Llama
@@ -20,11 +23,12 @@ def default_ckpt_dir() -> str:
 
 
 def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
-                     seed: int, device: Optional[str], dtype: Optional[str], compile: bool = False) -> Llama:
+                     seed: int, device: Optional[str], dtype: Optional[str], compile: bool = False,
+                     quantize: Optional[str] = None) -> Llama:
     if compile:
         print("compiling the decode step (--compile): a minute or more the first time, faster once Inductor "
               "has it cached on disk", file=sys.stderr, flush=True)
-    return Llama.build(
+    llama = Llama.build(
         ckpt_dir=str(ckpt_dir) if ckpt_dir is not None else default_ckpt_dir(),
         tokenizer_path=str(tokenizer_path) if tokenizer_path is not None else None,
         max_seq_len=max_seq_len,
@@ -33,7 +37,19 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         device=device,
         dtype=dtype,
         compile=compile,
+        quantize=quantize,
+        progress=ProgressPrinter() if _is_big(ckpt_dir) else None,
     )
+    for note in llama.load_notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    return llama
+
+
+def _is_big(ckpt_dir: Optional[str]) -> bool:
+    """Whether loading takes long enough (over a GB of weights) to be worth a progress bar."""
+    if ckpt_dir is None:
+        return False
+    return sum(p.stat().st_size for p in Path(ckpt_dir).glob("consolidated.*.pth")) > 2**30
 
 
 def is_main_rank(llama: Llama) -> bool:

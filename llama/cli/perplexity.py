@@ -63,7 +63,7 @@ def main(
         no_kv_cache: feed each window whole instead of in chunks through the KV cache.
         device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
-        quantize: int8 or int4: quantize the linear layers' weights while loading.
+        quantize: int8 or int4: quantize the linear layers' weights while loading (see llama-generate).
         json: print one JSON object (perplexity, its standard error, tokens scored, per-window figures).
     """
     if file is None:
@@ -79,10 +79,8 @@ def main(
     path = Path(str(file))
     text = read_text(path)
 
-    # Passed only when asked for, so the command runs on builds whose loader predates --quantize.
-    extra = {"quantize": quantize} if quantize is not None else {}
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len=ctx, max_batch_size=1, seed=1, device=device,
-                             dtype=dtype, **extra)
+                             dtype=dtype, quantize=quantize)
     tokens = llama.tokenizer.encode(text, bos=False, eos=False)
     window_starts(len(tokens), ctx, windows)  # a text too short fails here, before any work
     main_rank = is_main_rank(llama)

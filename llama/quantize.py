@@ -1,0 +1,327 @@
+"""Weight-only quantization as a transform applied to a built model: its linear layers swapped for int8 / int4 ones.
+
+`swap_linears` replaces each `nn.Linear` named in a plan with an `Int8Linear` or `Int4Linear` holding the
+tensors of `llama/quant_format.py` as buffers (`weight`, `scales`, `mins`), so the quantized model's
+`state_dict()` is exactly the on-disk layout. The embedding and the norms stay float. `model.py` knows
+none of this; forward hooks (model parallelism's all-reduce and all-gather) move to the new layers.
+
+How each layer multiplies, chosen at run time (docs/benchmarks.md has what each candidate measured):
+- eager, on the CPU, with bfloat16 activations (`--dtype bfloat16`): torch's private kernels,
+  `aten._weight_int8pack_mm` (int8, one scale per output channel) and `aten._weight_int4pack_mm_for_cpu`
+  (int4 in groups of 32..256), which take bf16 scales. The int4 kernel wants its own layout of the values:
+  `use_cpu_kernel_layout` converts a layer in place (its state_dict still gives the on-disk layout).
+  With float32 activations these kernels fall to scalar loops (50-500x slower), and feeding them
+  activations rounded to bf16 would let the cached and uncached runs round differently: float32 runs
+  take the exact paths below.
+- compiled (llama/compile.py), at up to `REDUCTION_MAX_ROWS` rows: the dequantization is written into the
+  dot-product reduction in the activations' dtype, so Inductor generates one loop that reads the packed
+  bytes and never materialises a float weight. The fast path for float32 runs.
+- everything else (eager float32, grouped int8, other devices, a torch without the kernels,
+  `use_kernels(False)`): dequantize the weight to the activations' dtype and call `F.linear`: exactly the
+  float model of the dequantized weights, always available, and slow (it writes a float weight per call).
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama.compile import REDUCTION_MAX_ROWS
+from llama.errors import LlamaError
+from llama.quant_format import (
+    DEFAULT_INT4_GROUP_SIZE, METHODS, SCALE_DTYPE, dequantize, is_linear_weight, pack_int4, quantize_int4,
+    quantize_int8, unpack_int4,
+)
+
+# weight name -> (method, group size); the group size of per-channel int8 is the input width.
+Plan = Dict[str, Tuple[str, int]]
+
+# Quantize a float weight this many elements at a time, so that quantizing a 32000 x 4096 output layer needs
+# some tens of MB of scratch, not several times the layer in float32.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def check_method(quantize: Optional[str]) -> Optional[str]:
+    """`quantize` checked to be None, "int8" or "int4".
+
+    Raises:
+        LlamaError: any other value, in one line that lists the choices.
+    """
+    if quantize is None or quantize in METHODS:
+        return quantize
+    raise LlamaError(f"unknown quantization {quantize!r}; choose one of {', '.join(METHODS)} (or leave it out for float)")
+
+
+def describe(plan: Plan) -> Optional[str]:
+    """A short name for a plan: "int8", "int8-g32", "int4-g32", "mixed", or None for a float model."""
+    kinds = set()
+    for method, group_size in plan.values():
+        per_channel = method == "int8" and group_size is None
+        kinds.add(method if per_channel else f"{method}-g{group_size}")
+    return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def plan_for(model: nn.Module, method: str, group_size: Optional[int] = None) -> Plan:
+    """Quantize every linear layer of `model` with `method`: int8 per output channel unless a group size is
+    given, int4 in groups of `group_size` (default 32, GGUF's Q4 block) columns."""
+    if method == "int4" and group_size is None:
+        group_size = DEFAULT_INT4_GROUP_SIZE
+    plan = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and is_linear_weight(f"{name}.weight"):
+            in_features = module.weight.shape[1]
+            if group_size is not None and in_features % group_size:
+                raise LlamaError(f"{name} has {in_features} input columns, not a multiple of the group size {group_size}")
+            plan[f"{name}.weight"] = (method, group_size)
+    return plan
+
+
+class _QuantizedLinear(nn.Module):
+    """What int8 and int4 layers share: the shape, the group size, and the eager/compiled choice."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: Optional[int]):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size = group_size  # None: one group per row (int8 per output channel)
+        n_groups = 1 if group_size is None else in_features // group_size
+        self.kernels = True  # may use the bf16 CPU kernels; False computes in the activations' dtype
+        self.register_buffer("scales", torch.empty(out_features, n_groups, dtype=SCALE_DTYPE, device="meta"))
+
+    @property
+    def n_groups(self) -> int:
+        return self.scales.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= REDUCTION_MAX_ROWS:
+            return self._reduction(x)
+        return self._eager(x)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (out, in) float weight these tensors stand for."""
+        return dequantize(self.weight, self.scales, getattr(self, "mins", None)).to(dtype)
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+class Int8Linear(_QuantizedLinear):
+    """A linear layer (no bias) with int8 weights: w = weight * scale, one scale per group of columns."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = None):
+        super().__init__(in_features, out_features, group_size)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device="meta"))
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        if self.n_groups == 1 and self.kernels and kernels_ok(x, _HAS_INT8_KERNEL):
+            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight,
+                                                     self.scales.reshape(-1).to(x.dtype))
+            return out.reshape(*x.shape[:-1], self.out_features)
+        return super()._eager(x)
+
+    def _reduction(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.in_features // self.n_groups
+        xg = x.reshape(*x.shape[:-1], 1, self.n_groups, group)  # (..., 1, n_groups, group)
+        wg = self.weight.reshape(self.out_features, self.n_groups, group).to(x.dtype)  # (out, n_groups, group)
+        dots = (xg * wg).sum(-1)  # (..., out, n_groups)
+        return (dots * self.scales.to(x.dtype)).sum(-1)
+
+
+class Int4Linear(_QuantizedLinear):
+    """A linear layer (no bias) with int4 weights, two per byte: w = q * scale + min per group of columns."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_INT4_GROUP_SIZE):
+        super().__init__(in_features, out_features, group_size)
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device="meta"))
+        self.register_buffer("mins", torch.empty_like(self.scales))
+        # Set by use_cpu_kernel_layout: `weight` then holds the kernel's layout, and these its scales.
+        self.kernel_layout = False
+        self.kernel_scales: Optional[torch.Tensor] = None
+
+    def use_cpu_kernel_layout(self) -> bool:
+        """Re-pack `weight` in place for `aten._weight_int4pack_mm_for_cpu`, if this torch and shape allow.
+
+        Returns whether it did. Row blocks are packed independently, so this works a slice at a time.
+        """
+        if (self.kernel_layout or not _HAS_INT4_KERNEL or self.weight.device.type != "cpu"
+                or self.group_size not in _INT4_KERNEL_GROUPS or self.out_features % _INT4_ROW_BLOCK):
+            return self.kernel_layout
+        rows = _INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * _INT4_ROW_BLOCK))
+        packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            unpack_int4(self.weight[r:r + rows]).to(torch.int32), 1) for r in range(0, self.out_features, rows)])
+        s, m = self.scales.float(), self.mins.float()
+        # The kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
+        self.kernel_scales = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (n_groups, out, 2)
+        self.weight = packed
+        self.kernel_layout = True
+        return True
+
+    def format_weight(self) -> torch.Tensor:
+        """`weight` in quant_format's layout, whichever layout the layer holds."""
+        if not self.kernel_layout:
+            return self.weight
+        return pack_int4(_from_kernel_layout(self.weight, self.in_features))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self.format_weight(), self.scales, self.mins).to(dtype)
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_layout and self.kernels and kernels_ok(x, _HAS_INT4_KERNEL):
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight,
+                                                             self.group_size, self.kernel_scales)
+            return out.reshape(*x.shape[:-1], self.out_features)
+        return super()._eager(x)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight"] = self.format_weight()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.kernel_layout, self.kernel_scales = False, None  # what was loaded is quant_format's layout
+
+    def _reduction(self, x: torch.Tensor) -> torch.Tensor:
+        # sum_j (q_j * s + m) * x_j = s * sum_j q_j x_j + m * sum_j x_j, group by group; the low nibble holds
+        # the even column and the high nibble the odd one.
+        assert not self.kernel_layout, "compile a model whose int4 layers hold quant_format's layout"
+        group = self.in_features // self.n_groups
+        xg = x.reshape(*x.shape[:-1], 1, self.n_groups, group // 2, 2)  # (..., 1, n_groups, group / 2, 2)
+        packed = self.weight.reshape(self.out_features, self.n_groups, group // 2)  # (out, n_groups, group / 2)
+        low, high = (packed & 0x0F).to(x.dtype), (packed >> 4).to(x.dtype)
+        dots = (low * xg[..., 0] + high * xg[..., 1]).sum(-1)  # (..., out, n_groups)
+        sums = xg.sum((-1, -2))  # (..., 1, n_groups)
+        return (dots * self.scales.to(x.dtype) + sums * self.mins.to(x.dtype)).sum(-1)
+
+
+def kernels_ok(x: torch.Tensor, available: bool = True) -> bool:
+    """Whether a private CPU kernel (that this torch has: `available`) may multiply `x`: bf16 on the CPU."""
+    return available and not _kernels_disabled and x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
+# The private kernels come and go between torch releases; without them every layer takes the dequantizing
+# path. Tests switch them off (`use_kernels(False)`) to run that path on a torch that has them.
+_HAS_INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")
+_HAS_INT4_KERNEL = all(hasattr(torch.ops.aten, k) for k in ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"))
+_INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+_INT4_ROW_BLOCK = 64  # the kernel packs rows in blocks of this many; a layer with a partial block keeps the fallback
+_kernels_disabled = False
+
+
+def _from_kernel_layout(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Undo `_convert_weight_to_int4pack_for_cpu`: (out, in // 2) kernel bytes -> (out, in) values 0..15.
+
+    The kernel's layout is private and may change between releases, so it is learned rather than assumed:
+    packing a 64-row block whose values spell each position's index (four bits at a time) shows where each
+    value goes.
+    """
+    perm = _kernel_permutation(in_features)
+    blocks = unpack_int4(packed).reshape(-1, _INT4_ROW_BLOCK * in_features)  # (out / 64, 64 * in), kernel order
+    values = torch.empty_like(blocks)
+    values[:, perm] = blocks
+    return values.reshape(-1, in_features)
+
+
+_PERMUTATIONS: Dict[int, torch.Tensor] = {}
+
+
+def _kernel_permutation(in_features: int) -> torch.Tensor:
+    if in_features not in _PERMUTATIONS:
+        n = _INT4_ROW_BLOCK * in_features
+        index = torch.arange(n).reshape(_INT4_ROW_BLOCK, in_features)
+        perm = torch.zeros(n, dtype=torch.long)
+        for digit in range((n - 1).bit_length() // 4 + 1):
+            q = ((index >> (4 * digit)) & 15).to(torch.int32)
+            perm |= unpack_int4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)).reshape(-1).long() << (4 * digit)
+        _PERMUTATIONS[in_features] = perm
+    return _PERMUTATIONS[in_features]
+
+
+def use_exact_layers(model: nn.Module) -> nn.Module:
+    """Make every quantized layer compute in its input's dtype (no bf16 kernels), in their stored layout.
+
+    For compiled runs: the compiled one-token step multiplies in float32, so the prompt and the uncached
+    steps must too, or the cache switch would compare bf16 products with float32 ones.
+    """
+    for module in model.modules():
+        if isinstance(module, _QuantizedLinear):
+            module.kernels = False
+    return model
+
+
+def use_cpu_kernel_layout(model: nn.Module) -> nn.Module:
+    """Re-pack every int4 layer of a model for the CPU kernel (for eager runs; compiled ones read the format)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.use_cpu_kernel_layout()
+    return model
+
+
+def use_kernels(enabled: bool) -> bool:
+    """Allow or forbid torch's private quantized kernels; returns the previous setting."""
+    global _kernels_disabled
+    previous = not _kernels_disabled
+    _kernels_disabled = not enabled
+    return previous
+
+
+def new_layer(method: str, in_features: int, out_features: int, group_size: Optional[int]) -> _QuantizedLinear:
+    """An empty (meta-device) quantized layer of this shape, to be filled by load_state_dict(assign=True)."""
+    if method == "int8":
+        return Int8Linear(in_features, out_features, None if group_size in (None, in_features) else group_size)
+    return Int4Linear(in_features, out_features, group_size)
+
+
+def swap_linears(model: nn.Module, plan: Plan) -> nn.Module:
+    """Replace each linear layer named in `plan` by an empty quantized layer of its shape, in place.
+
+    The new layers live on the meta device until their tensors are assigned (load_state_dict(assign=True)
+    or `quantize_model`). Forward hooks move with them.
+    """
+    named = dict(model.named_modules())
+    for weight_name, (method, group_size) in plan.items():
+        name = weight_name.removesuffix(".weight")
+        old = named[name]
+        out_features, in_features = old.weight.shape
+        layer = new_layer(method, in_features, out_features, group_size)
+        layer._forward_hooks.update(old._forward_hooks)
+        parent_name, _, child = name.rpartition(".")
+        setattr(named[parent_name] if parent_name else model, child, layer)
+    return model
+
+
+def quantize_weight(weight: torch.Tensor, method: str, group_size: Optional[int]) -> Dict[str, torch.Tensor]:
+    """A float (out, in) weight as the tensors of `method`, by suffix ("weight", "scales", "mins").
+
+    Works a slice of rows at a time, so the float32 scratch stays small whatever the weight's size.
+    """
+    out_features, in_features = weight.shape
+    rows = max(1, _CHUNK_ELEMENTS // in_features)
+    pieces = []
+    for start in range(0, out_features, rows):
+        chunk = weight[start:start + rows]
+        if method == "int8":
+            pieces.append(quantize_int8(chunk, group_size))
+        else:
+            pieces.append(quantize_int4(chunk, group_size))
+    names = ("weight", "scales") if method == "int8" else ("weight", "scales", "mins")
+    return {n: torch.cat([p[i] for p in pieces]) if len(pieces) > 1 else pieces[0][i] for i, n in enumerate(names)}
+
+
+def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = None) -> nn.Module:
+    """Quantize every linear layer of a built model (real weights, any device) in place; returns it."""
+    check_method(method)
+    plan = plan_for(model, method, group_size)
+    named = dict(model.named_modules())
+    weights = {n: named[n.removesuffix(".weight")].weight.detach() for n in plan}
+    swap_linears(model, plan)
+    named = dict(model.named_modules())
+    for weight_name, (m, g) in plan.items():
+        layer = named[weight_name.removesuffix(".weight")]
+        tensors = quantize_weight(weights[weight_name], m, layer.group_size)
+        for suffix, tensor in tensors.items():
+            setattr(layer, suffix, tensor.to(weights[weight_name].device))
+    return model

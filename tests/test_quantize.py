@@ -1,0 +1,258 @@
+"""--quantize int8|int4: exact cache switch, agreement with the dequantized float model, the on-disk layout."""
+
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
+from llama import quant_format as qf
+from llama.checkpoint import random_state_dict, save_checkpoint
+from llama.errors import LlamaError
+from llama.quantize import Int4Linear, Int8Linear, kernels_ok, quantize_model, quantize_weight, use_kernels
+
+METHODS = ["int8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_ckpt):
+    return {m: build(tiny_ckpt, quantize=m) for m in METHODS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_linear_layer_is_quantized_and_the_embedding_is_not(quantized, method):
+    model = quantized[method].model
+    kind = Int8Linear if method == "int8" else Int4Linear
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.output, kind) and isinstance(model.layers[1].feed_forward.w2, kind)
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    assert quantized[method].quantization == {"int8": "int8", "int4": "int4-g32"}[method]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cache_switch_is_exact(quantized, method):
+    llama = quantized[method]
+    tokens = torch.randint(0, llama.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        full = llama.model(tokens)  # no cache: every position at once
+        cache = llama.model.new_kv_cache(2, 24)
+        steps = [llama.model(tokens[:, :8], 0, cache)] + [llama.model(tokens[:, i:i + 1], i, cache) for i in range(8, 24)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+    prompts = [[1, 50, 7, 99], [1, 3000]]
+    cached, lp_cached = llama.generate(prompts, 20, temperature=0, logprobs=True, kv_cache=True)
+    uncached, lp_uncached = llama.generate(prompts, 20, temperature=0, logprobs=True, kv_cache=False)
+    assert cached == uncached
+    for a, b in zip(lp_cached, lp_uncached):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def _dequantized_float_model(model):
+    reference = copy.deepcopy(model)
+    for module in list(reference.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, (Int8Linear, Int4Linear)):
+                linear = nn.Linear(child.in_features, child.out_features, bias=False)
+                linear.weight = nn.Parameter(child.dequantized(), requires_grad=False)
+                setattr(module, child_name, linear)
+    return reference
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_matches_a_float_model_holding_the_dequantized_weights(quantized, method):
+    """In float32 both models multiply by the same float32 values; only the order of the additions differs,
+    so logits agree to float32 rounding (atol 1e-4 on logits of magnitude ~10)."""
+    model = quantized[method].model
+    reference = _dequantized_float_model(model)
+    tokens = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got, want = model(tokens), reference(tokens)
+    assert want.abs().max() > 1  # the comparison is not between two near-zero tensors
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def quantized_bf16(gqa_ckpt):
+    return {m: build(gqa_ckpt, quantize=m, dtype="bfloat16") for m in METHODS}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_bf16_kernels_match_the_float32_model_of_the_same_weights(quantized_bf16, method):
+    """In bf16 the kernels (or their fallback) round activations and scales to 8 significant bits (relative
+    error 2^-9 each, compounding over the layers): logits agree with float32 to about 2% of their spread,
+    the bar STYLE.md sets for any bf16 run."""
+    model = quantized_bf16[method].model
+    reference = _dequantized_float_model(model).float()
+    tokens = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got, want = model(tokens), reference(tokens)
+        previous = use_kernels(False)
+        try:
+            fallback = model(tokens)
+        finally:
+            use_kernels(previous)
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    assert ((fallback - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf16):
+    assert not quantized["int4"].model.layers[0].feed_forward.w1.kernel_layout  # float32 runs keep the format
+    layer = quantized_bf16["int4"].model.layers[0].feed_forward.w1
+    assert layer.kernel_layout == kernels_ok(torch.zeros(1, dtype=torch.bfloat16),
+                                             hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+    fresh = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
+    fresh.load_state_dict(layer.state_dict(), assign=True)
+    assert not fresh.kernel_layout
+    assert torch.equal(fresh.weight, layer.format_weight())
+    fresh.use_cpu_kernel_layout()
+    assert torch.equal(fresh.weight, layer.weight) and torch.equal(fresh.format_weight(), layer.format_weight())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_quantization_error_is_what_the_format_allows(method):
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
+    tensors = quantize_weight(w, method, None if method == "int8" else 32)
+    dequantized = qf.dequantize(tensors["weight"], tensors["scales"], tensors.get("mins"))
+    # Half a step of the grid: int8's step is max|w| / 127 per row, int4's (max - min) / 15 per group
+    # (plus float16 rounding of the scale itself).
+    if method == "int8":
+        step = w.abs().amax(dim=1, keepdim=True) / 127
+    else:
+        g = w.reshape(96, 8, 32)
+        step = ((g.amax(-1) - g.amin(-1)) / 15).repeat_interleave(32, dim=1)
+    assert ((dequantized - w).abs() <= step * 0.5 * 1.01 + 1e-3 * step).all()
+
+
+def test_quantizing_in_chunks_equals_quantizing_at_once(monkeypatch):
+    import llama.quantize as quantize
+
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(2))
+    whole = quantize_weight(w, "int4", 32)
+    monkeypatch.setattr(quantize, "_CHUNK_ELEMENTS", 96 * 5)  # five rows at a time, the last chunk short
+    chunked = quantize_weight(w, "int4", 32)
+    for name in whole:
+        assert torch.equal(whole[name], chunked[name])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_state_dict_is_the_on_disk_layout_and_round_trips(quantized, method, tmp_path):
+    llama = quantized[method]
+    state = llama.model.state_dict()
+    float_shapes = {k: v.shape for k, v in random_state_dict(llama.model.params).items()}
+    group = {"int8": None, "int4": 32}[method]
+    plan = {k: (method, group or s[1]) for k, s in float_shapes.items() if qf.is_linear_weight(k)}
+    assert {k: v.shape for k, v in state.items()} == qf.quantized_shapes(float_shapes, plan)
+    for name in plan:
+        assert state[name].dtype == (torch.int8 if method == "int8" else torch.uint8)
+        assert state[name.replace(".weight", ".scales")].dtype == torch.float16
+
+    params = {k: getattr(llama.model.params, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                                          "multiple_of", "norm_eps")}
+    record = qf.write_record(method, group, "test")
+    save_checkpoint(tmp_path / "q", params, state, tokenizer_path=EXAMPLE_TOKENIZER,
+                    extra_files={qf.RECORD_NAME: record})
+    loaded = build(tmp_path / "q")  # no --quantize: the checkpoint says what it holds
+    assert loaded.quantization == llama.quantization
+    for name, tensor in loaded.model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    prompt = [[1, 20, 30, 40]]
+    assert loaded.generate(prompt, 12, temperature=0) == llama.generate(prompt, 12, temperature=0)
+
+    with pytest.raises(LlamaError, match="would round its weights a second time"):
+        build(tmp_path / "q", quantize="int4" if method == "int8" else "int8")
+    assert build(tmp_path / "q", quantize=method).quantization == llama.quantization
+
+
+def test_a_quantized_checkpoint_with_wrong_scales_is_refused(quantized, tmp_path):
+    state = dict(quantized["int4"].model.state_dict())
+    state["layers.0.attention.wq.scales"] = state["layers.0.attention.wq.scales"][:, :1].contiguous()
+    params = {"dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 4000, "multiple_of": 32}
+    save_checkpoint(tmp_path / "bad", params, state, tokenizer_path=EXAMPLE_TOKENIZER,
+                    extra_files={qf.RECORD_NAME: qf.write_record("int4", 32, "test")})
+    with pytest.raises(LlamaError, match="layers.0.attention.wq"):
+        build(tmp_path / "bad")
+
+
+def test_quantized_tensors_without_a_record_are_refused(quantized, tmp_path):
+    params = {"dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 4000, "multiple_of": 32}
+    save_checkpoint(tmp_path / "norecord", params, quantized["int8"].model.state_dict(), tokenizer_path=EXAMPLE_TOKENIZER)
+    with pytest.raises(LlamaError, match="no quantization.json"):
+        build(tmp_path / "norecord")
+
+
+@pytest.mark.parametrize("value", ["int3", "INT8", 8, "fp8"])
+def test_unknown_method_is_one_line_listing_the_choices(gqa_ckpt, value):
+    with pytest.raises(LlamaError, match=r"choose one of int8, int4"):
+        build(gqa_ckpt, quantize=value)
+
+
+def test_grouped_int8_as_stored_by_gguf_q8_0(tmp_path):
+    """Q8_0 blocks are int8 in groups of 32: a checkpoint holding them loads and matches its dequantized weights."""
+    args = tiny_args("gqa")
+    path, float_state = write_tiny(tmp_path / "f", "gqa", seed=4)
+    reference = build(path)
+    state = {}
+    for name, tensor in float_state.items():
+        if qf.is_linear_weight(name):
+            q, s = qf.quantize_int8(tensor, 32)
+            state[name], state[name.replace(".weight", ".scales")] = q, s
+            float_state[name] = qf.dequantize(q, s)
+        else:
+            state[name] = tensor
+    params = {"dim": args.dim, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "vocab_size": 4000, "multiple_of": 32}
+    save_checkpoint(tmp_path / "q8_0", params, state, tokenizer_path=EXAMPLE_TOKENIZER,
+                    extra_files={qf.RECORD_NAME: qf.write_record("int8", 32, "gguf Q8_0")})
+    save_checkpoint(tmp_path / "deq", params, float_state, tokenizer_path=EXAMPLE_TOKENIZER)
+    grouped, dequantized = build(tmp_path / "q8_0"), build(tmp_path / "deq")
+    assert grouped.quantization == "int8-g32" and reference.quantization is None
+    tokens = torch.randint(0, 4000, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(grouped.model(tokens), dequantized.model(tokens), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_without_the_private_kernels_the_cache_switch_stays_exact(quantized, method):
+    """The fallback (dequantize, then F.linear) is what a torch without the private kernels runs (its logits
+    are checked against the float model above); cached and uncached greedy runs must agree on it too."""
+    llama = quantized[method]
+    prompts = [[1, 50, 7, 99], [1, 3000]]
+    previous = use_kernels(False)
+    try:
+        assert not kernels_ok(torch.zeros(1, dtype=torch.bfloat16))
+        slow = llama.generate(prompts, 16, temperature=0, kv_cache=True)
+        slow_uncached = llama.generate(prompts, 16, temperature=0, kv_cache=False)
+    finally:
+        use_kernels(previous)
+    assert slow == slow_uncached
+
+
+def test_quantize_model_on_a_built_float_model_matches_quantizing_while_loading(gqa_ckpt):
+    loaded = build(gqa_ckpt, quantize="int4")
+    model = quantize_model(build(gqa_ckpt).model, "int4")
+    for name, tensor in loaded.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="--compile needs a C++ compiler")
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_quantized_step_keeps_the_cache_switch_exact(gqa_ckpt, method):
+    """--compile fuses the dequantization into the reduction; it must agree with the exact eager path."""
+    compiled = build(gqa_ckpt, quantize=method, compile=True)
+    prompts = [[1, 50, 7, 99, 12], [1, 3000, 8]]
+    cached, lp_cached = compiled.generate(prompts, 12, temperature=0, logprobs=True, kv_cache=True)
+    uncached, lp_uncached = compiled.generate(prompts, 12, temperature=0, logprobs=True, kv_cache=False)
+    assert cached == uncached
+    for a, b in zip(lp_cached, lp_uncached):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+    exact = build(gqa_ckpt, quantize=method)
+    previous = use_kernels(False)
+    try:
+        eager, lp_eager = exact.generate(prompts, 12, temperature=0, logprobs=True)
+    finally:
+        use_kernels(previous)
+    assert cached == eager
+    for a, b in zip(lp_cached, lp_eager):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)

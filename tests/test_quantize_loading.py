@@ -1,0 +1,188 @@
+"""Quantized models under torchrun, and what loading tensor by tensor costs in memory."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EXAMPLE_TOKENIZER, build, write_tiny
+from llama import quant_format as qf
+from llama.checkpoint import save_checkpoint, write_random_checkpoint
+from llama.model import ModelArgs
+
+BIN = Path(sys.executable).parent
+PROMPTS = ["I believe the meaning of life is", "Hello", "def fibonacci(n):"]
+
+
+def generate(ckpt, prompts_file, nproc, *flags):
+    args = ["--ckpt-dir", str(ckpt), "--prompts-file", str(prompts_file), "--json", "--logprobs", "--echo",
+            "--temperature", "0", "--max-gen-len", "12", "--device", "cpu", *flags]
+    cmd = [str(BIN / "llama-generate")]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--no-python"] + cmd
+    result = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return result
+
+
+def records(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(out) == len(PROMPTS)  # only rank 0 printed
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_shards(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("mpq") / "shards2", "gqa", num_shards=2, seed=11)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_torchrun_quantizes_each_ranks_slice_and_the_cache_switch_stays_exact(two_shards, prompts_file, method):
+    cached = records(generate(two_shards, prompts_file, 2, "--quantize", method))
+    uncached = records(generate(two_shards, prompts_file, 2, "--quantize", method, "--no-kv-cache"))
+    for a, b in zip(cached, uncached):
+        assert a["tokens"] == b["tokens"]
+        assert max(abs(p - q) for p, q in zip(a["logprobs"], b["logprobs"])) < 1e-5
+
+
+@pytest.mark.slow
+def test_torchrun_splits_a_stored_int4_checkpoint_by_whole_groups(tmp_path, prompts_file):
+    path, _ = write_tiny(tmp_path / "f", "gqa", seed=11)
+    state = build(path, quantize="int4").model.state_dict()
+    params = json.loads((path / "params.json").read_text())
+    save_checkpoint(tmp_path / "q", params, state, tokenizer_path=EXAMPLE_TOKENIZER,
+                    extra_files={qf.RECORD_NAME: qf.write_record("int4", 32, "test")})
+    one = records(generate(tmp_path / "q", prompts_file, 1, "--no-kv-cache"))
+    two = records(generate(tmp_path / "q", prompts_file, 2))
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in records(generate(tmp_path / "q", prompts_file, 2, "--no-kv-cache"))]
+    assert one[0]["text"] and two[0]["text"]
+
+
+@pytest.mark.slow
+def test_a_stored_per_channel_int8_checkpoint_that_cannot_split_is_refused_in_one_line(tmp_path, prompts_file):
+    path, _ = write_tiny(tmp_path / "f", "gqa", seed=11)
+    state = build(path, quantize="int8").model.state_dict()
+    params = json.loads((path / "params.json").read_text())
+    save_checkpoint(tmp_path / "q", params, state, tokenizer_path=EXAMPLE_TOKENIZER,
+                    extra_files={qf.RECORD_NAME: qf.write_record("int8", None, "test")})
+    result = generate(tmp_path / "q", prompts_file, 2)
+    assert result.returncode != 0
+    assert "do not split across 2 processes; run it in one process" in result.stderr
+    # torchrun prints a traceback of its own when a rank exits non-zero; none may come from this project.
+    assert str(Path(__file__).resolve().parent.parent / "llama") not in result.stderr
+
+
+PEAK_SCRIPT = """
+import sys, torch
+from llama import Llama
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak (VmHWM) to now: importing torch peaks higher than a small model loads
+base = status("VmRSS:")
+llama = Llama.build(sys.argv[1], max_seq_len=16, max_batch_size=1, device="cpu", dtype=sys.argv[2],
+                    quantize=None if sys.argv[3] == "none" else sys.argv[3])
+llama.generate([[1, 2, 3]], 2, temperature=0)
+print(status("VmHWM:") - base)
+"""
+
+
+@pytest.fixture(scope="module")
+def mid_ckpt(tmp_path_factory):
+    """A bf16 checkpoint of about 210 MB: big enough that loading it twice over would show."""
+    args = ModelArgs(dim=1024, n_layers=8, n_heads=8, vocab_size=4000, multiple_of=256, max_seq_len=16, max_batch_size=1)
+    path, state = write_random_checkpoint(tmp_path_factory.mktemp("mid") / "mid", args, dtype=torch.bfloat16,
+                                          tokenizer_path=EXAMPLE_TOKENIZER)
+    return path, sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _peak(path, dtype, quantize):
+    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path), dtype, quantize], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return int(result.stdout.split()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-memory reset")
+@pytest.mark.parametrize("dtype,quantize,limit", [
+    ("bfloat16", "none", 1.2),  # the file's pages are the model: nothing is copied
+    ("float32", "none", 2.5),  # the float32 copy, without the file's pages on top (that would be 3x)
+    ("float32", "int8", 1.2),  # int8 is half the bf16 bytes, plus quantization scratch
+    ("bfloat16", "int4", 1.0),  # int4 with scales and mins is 0.31 of them, plus the same scratch
+])
+def test_peak_memory_of_loading_is_what_the_memory_check_reckons(mid_ckpt, gqa_ckpt, dtype, quantize, limit):
+    """Peak resident memory while loading and generating, less what a tiny model costs (the tokenizer,
+    kernels' workspaces), must stay within what llama.weights.peak_bytes told the memory check, and far
+    below holding the checkpoint twice."""
+    from llama.checkpoint import expected_shapes, read_params
+    from llama.weights import peak_bytes
+    from llama.quantize import plan_for
+
+    path, nbytes = mid_ckpt
+    grown = _peak(path, dtype, quantize) - _peak(gqa_ckpt, dtype, quantize)
+    args = ModelArgs(**read_params(path), max_seq_len=16, max_batch_size=1)
+    with torch.device("meta"):
+        from llama.model import Transformer
+
+        plan = plan_for(Transformer(args), quantize) if quantize != "none" else {}
+    reckoned = peak_bytes(expected_shapes(args), plan, getattr(torch, dtype), 1, 1, 2)
+    assert grown <= reckoned, f"grew {grown / 2**20:.0f} MiB, reckoned {reckoned / 2**20:.0f} MiB"
+    assert grown < limit * nbytes, f"grew {grown / 2**20:.0f} MiB for {nbytes / 2**20:.0f} MiB of bf16 weights"
+
+
+@pytest.fixture(scope="module")
+def bf16_tiny(tmp_path_factory):
+    from conftest import tiny_args
+
+    path, _ = write_random_checkpoint(tmp_path_factory.mktemp("bf16") / "tiny", tiny_args("gqa"), dtype=torch.bfloat16,
+                                      tokenizer_path=EXAMPLE_TOKENIZER, std=0.1)
+    return path
+
+
+def _needs(path):
+    """What loading the tiny bf16 checkpoint needs in float32 and in bf16, by the loader's own reckoning."""
+    from conftest import tiny_args
+    from llama.checkpoint import expected_shapes
+    from llama.weights import peak_bytes
+
+    full = expected_shapes(tiny_args("gqa"))
+    return peak_bytes(full, {}, torch.float32, 1, 1, 2), peak_bytes(full, {}, torch.bfloat16, 1, 1, 2)
+
+
+def test_a_bf16_checkpoint_whose_float32_copy_cannot_fit_runs_in_bf16_with_a_note(bf16_tiny, monkeypatch):
+    import llama.weights as weights
+    from llama.errors import LlamaError
+
+    need32, need16 = _needs(bf16_tiny)
+    assert need16 < need32
+    monkeypatch.setattr(weights, "available_memory", lambda device: (need16 + need32) // 2)
+    llama = build(bf16_tiny, dtype=None)
+    assert llama.model.tok_embeddings.weight.dtype == torch.bfloat16
+    assert len(llama.load_notes) == 1 and "runs in bfloat16" in llama.load_notes[0]
+    with pytest.raises(LlamaError, match="the model's weights in float32 needs .* GiB on cpu but only"):
+        build(bf16_tiny, dtype="float32")  # an explicit dtype still wins, and is refused before loading
+    monkeypatch.setattr(weights, "available_memory", lambda device: need16 // 2)
+    with pytest.raises(LlamaError, match="--quantize int4"):
+        build(bf16_tiny, dtype=None)  # not even bf16 fits: the error names what would
+
+
+def test_a_bf16_checkpoint_that_fits_in_float32_runs_in_float32_without_a_note(bf16_tiny):
+    llama = build(bf16_tiny, dtype=None)
+    assert llama.model.tok_embeddings.weight.dtype == torch.float32 and llama.load_notes == []
