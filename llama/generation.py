@@ -18,7 +18,6 @@ from llama.compile import compile_step
 from llama.distributed import check_fits, init_distributed, local_device, resolve_device, resolve_dtype
 from llama.errors import LlamaError
 from llama.model import Transformer
-from llama.onednn import use_onednn_linears
 from llama.parallel import parallelize
 from llama.progress import Progress
 from llama.quant_format import read_record
@@ -157,8 +156,6 @@ class Llama:
         dtype, notes = choose_dtype(source, args, plan, dtype, dtype_given, device, world_size)
         model = load_weights(model, source, args, plan, rank, world_size, device, dtype,
                              eager_cpu=device.type == "cpu" and not compile, progress=progress)
-        if device.type == "cpu" and not compile:
-            use_onednn_linears(model)  # float32 layers, where this torch has oneDNN's linear op (llama/onednn.py)
         llama = Llama(model, tokenizer, seed=seed)
         if compile:
             compile_start = time.perf_counter()
