@@ -1,24 +1,38 @@
-"""Decode speed of this project against Hugging Face transformers, on the same weights, in one process.
+"""Decode speed of this project against Hugging Face transformers and llama.cpp, on the same weights.
 
     python scripts/compare_transformers.py [--new_tokens 128,512] [--repeats 3] [--threads 2] [--nocompile]
+        [--nollamacpp] [--lcpp_types F32,Q8_0,Q4_0] [--gguf_dir DIR]
 
-Both load the default model (SmolLM2-135M-Instruct, from the same GGUF) in float32 on the CPU and decode
-greedily at batch 1 from the same prompt token ids, each with its KV cache. Ours runs twice: eager (the
-default) and with --compile (compiled before any timing). Runs alternate (ours, ours compiled, theirs,
-ours, ...) so that drift in the machine's speed hits all alike; each figure is the median of --repeats
-runs. Decode tokens/s counts the steps after the first new token, timed the same way for all
-(a timestamp per step). The roofline is the weights read per token divided by the memory bandwidth
-measured here with a large copy.
+All load the default model (SmolLM2-135M-Instruct, from the same GGUF) on the CPU and decode greedily at
+batch 1 from the same prompt token ids, each with its KV cache, ignoring stop tokens. Ours runs in float32
+eagerly (the default) and with --compile (compiled before any timing), and with --quantize int8 / int4
+where this version's Llama.build takes `quantize`. transformers runs in float32. llama.cpp is optional:
+the `llama_cpp` module of llama-cpp-python built from source (`pip install --no-binary llama-cpp-python
+llama-cpp-python`), left out with a note when it is not installed. It runs a GGUF of each --lcpp_types,
+made once into --gguf_dir by llama.cpp's own quantizer from the shipped Q4_1 file: F32 holds exactly the
+dequantized values ours loads, and Q8_0 / Q4_0 are quantized from them, every tensor in that type (pure).
+
+Runs alternate (ours, ours compiled, ..., transformers, llama.cpp F32, ..., ours, ...) so that drift in the
+machine's speed hits all alike; each figure is the median of --repeats runs. Decode tokens/s counts the
+steps after the first new token, timed the same way for all (a timestamp per step). "agree" counts the
+leading tokens equal to ours (float32, eager). The roofline is the float32 weights read per token divided
+by the memory bandwidth measured here with a large copy.
 """
 
+import ctypes
+import functools
+import inspect
 import statistics
+import tempfile
 import time
-from typing import List
+from pathlib import Path
+from typing import Callable, Dict, List
 
 import fire
 import torch
 
 PROMPT = "The history of the printing press begins in"
+LCPP_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_* values
 
 
 def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -62,7 +76,44 @@ def theirs_once(model, prompt_ids, n):
     return decode_rate(stamps), out[0, len(prompt_ids):].tolist()
 
 
-def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool = True):
+def make_ggufs(source: Path, out_dir: Path, types: List[str], threads: int) -> Dict[str, Path]:
+    """GGUFs of the default model in each llama.cpp type, made once by llama.cpp's quantizer (pure: every tensor)."""
+    import llama_cpp
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name in types:
+        path = out_dir / f"{source.stem.split('.')[0]}.{name}.gguf"
+        if not path.exists():
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = LCPP_FTYPES[name]
+            params.nthread = threads
+            params.allow_requantize = True  # the shipped file is Q4_1: F32 dequantizes it exactly
+            params.pure = True
+            partial = path.with_suffix(".partial")
+            if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+                raise SystemExit(f"llama.cpp could not quantize {source} to {name}")
+            partial.rename(path)
+        paths[name] = path
+    return paths
+
+
+def lcpp_once(llm, prompt_ids, n):
+    stamps, tokens = [], []
+    for token in llm.generate(prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0):  # greedy; no stop tokens here
+        stamps.append(time.perf_counter())
+        tokens.append(token)
+        if len(tokens) == n:
+            break
+    return decode_rate(stamps), tokens
+
+
+def agree(a: List[int], b: List[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool = True, llamacpp: bool = True,
+         lcpp_types="F32,Q8_0,Q4_0", gguf_dir: str = None):
     from transformers import LlamaForCausalLM
 
     import transformers
@@ -79,41 +130,63 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
     ours = {"ours": Llama.build(ckpt, **build)}
     if compile:
         ours["ours --compile"] = Llama.build(ckpt, compile=True, **build)
+    if "quantize" in inspect.signature(Llama.build).parameters:  # once this version has --quantize
+        for kind in ("int8", "int4"):
+            ours[f"ours --quantize {kind}"] = Llama.build(ckpt, quantize=kind, **build)
+            if compile:
+                ours[f"ours --quantize {kind} --compile"] = Llama.build(ckpt, quantize=kind, compile=True, **build)
+    runners: Dict[str, Callable] = {name: functools.partial(ours_once, llama) for name, llama in ours.items()}
     theirs = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    runners["transformers"] = functools.partial(theirs_once, theirs)
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    if llamacpp:
+        try:
+            import llama_cpp
+        except ImportError:
+            print("note: llama_cpp is not installed, so llama.cpp is left out "
+                  "(pip install --no-binary llama-cpp-python llama-cpp-python)")
+        else:
+            types = [t.strip() for t in str(lcpp_types if isinstance(lcpp_types, str) else ",".join(lcpp_types)).split(",")]
+            ggufs = make_ggufs(gguf, Path(gguf_dir) if gguf_dir else Path(tempfile.gettempdir()) / "llama-kv-ggufs",
+                               types, threads)
+            for name, path in ggufs.items():
+                llm = llama_cpp.Llama(str(path), n_ctx=max(lengths) + 64, n_batch=512, n_threads=threads,
+                                      n_threads_batch=threads, verbose=False)
+                runners[f"llama.cpp {name}"] = functools.partial(lcpp_once, llm)
+            versions += f", llama-cpp-python {llama_cpp.__version__}"
     prompt_ids = ours["ours"].tokenizer.encode(PROMPT, bos=True, eos=False)
 
     # Warm all up, so none pays first-call costs inside the measurement.
-    for llama in ours.values():
-        ours_once(llama, prompt_ids, 16)
-    theirs_once(theirs, prompt_ids, 16)
+    for run in runners.values():
+        run(prompt_ids, 16)
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {threads} threads, float32, batch 1")
-    print(f"prompt: {PROMPT!r} ({len(prompt_ids)} tokens); decode tokens/s, median of {repeats} interleaved runs\n")
-    names = list(ours) + ["transformers"]
-    print(f"{'new tokens':>10}  " + "  ".join(f"{name:>14}" for name in names)
-          + "  " + "  ".join(f"{name + ' / transformers':>29}" for name in ours) + "  same tokens")
+    print(f"{versions}, {threads} threads, batch 1")
+    print(f"prompt: {PROMPT!r} ({len(prompt_ids)} tokens); decode tokens/s, median of {repeats} interleaved runs; "
+          f"agree: leading tokens equal to ours (float32, eager)\n")
+    names = list(runners)
+    rates = {(name, n): [] for name in names for n in lengths}
+    agreed = {(name, n): 0 for name in names for n in lengths}
     for n in lengths:
-        rates = {name: [] for name in names}
-        same = True
         for _ in range(repeats):
             reference = None
-            for name, llama in ours.items():
-                rate, tokens = ours_once(llama, prompt_ids, n)
-                rates[name].append(rate)
+            for name, run in runners.items():
+                rate, tokens = run(prompt_ids, n)
+                rates[name, n].append(rate)
                 reference = tokens if reference is None else reference
-                same = same and tokens == reference
-            rate, tokens = theirs_once(theirs, prompt_ids, n)
-            rates["transformers"].append(rate)
-            same = same and tokens == reference
-        median = {name: statistics.median(r) for name, r in rates.items()}
-        print(f"{n:>10}  " + "  ".join(f"{median[name]:>14.2f}" for name in names) + "  "
-              + "  ".join(f"{median[name] / median['transformers']:>28.2f}x" for name in ours)
-              + f"  {'yes' if same else 'no'}")
+                agreed[name, n] = agree(tokens, reference)
+    median = {key: statistics.median(r) for key, r in rates.items()}
+    width = max(len(name) for name in names)
+    base = "llama.cpp F32" if "llama.cpp F32" in names else "transformers"
+    print(f"{'':{width}}  " + "  ".join(f"{f'{n} tokens':>10}  {'/ ' + base:>16}  {'agree':>5}" for n in lengths))
+    for name in names:
+        print(f"{name:{width}}  " + "  ".join(
+            f"{median[name, n]:>10.2f}  {median[name, n] / median[base, n]:>15.2f}x  {agreed[name, n]:>5}"
+            for n in lengths))
 
     weights = sum(p.numel() * p.element_size() for name, p in ours["ours"].model.named_parameters()
                   if not name.startswith("tok_embeddings"))  # the embedding table is read one row per token
     bandwidth = measure_bandwidth()
-    print(f"\nroofline: {weights / 1e6:.0f} MB of weights read per token / {bandwidth / 1e9:.1f} GB/s copy "
+    print(f"\nroofline: {weights / 1e6:.0f} MB of float32 weights read per token / {bandwidth / 1e9:.1f} GB/s copy "
           f"bandwidth = {bandwidth / weights:.1f} tokens/s at most")
 
 

@@ -1,0 +1,98 @@
+"""Perplexity of the default model by this project and by llama.cpp, on the same tokens and windows.
+
+    python scripts/compare_perplexity.py [--file data/alice29.txt] [--ctx 512] [--windows N] [--threads 2]
+        [--quantize none,int8,int4] [--nollamacpp] [--lcpp_types F32,Q8_0,Q4_0] [--gguf_dir DIR]
+
+Ours runs `llama.perplexity.perplexity` on the default model in float32 (and with each --quantize kind
+where this version's Llama.build takes `quantize`). llama.cpp (optional, as in compare_transformers.py:
+the `llama_cpp` module of llama-cpp-python) scores the very same windows of our token ids, with the same
+rule (llama/perplexity.py: the second half of each window of --ctx tokens), from all of each window's
+logits, for a GGUF of each --lcpp_types made by llama.cpp's quantizer from the shipped Q4_1 file. llama.cpp's
+F32 holds the same values as our float32 model, so the two F32 rows check each other.
+"""
+
+import math
+import time
+from pathlib import Path
+
+import fire
+import numpy as np
+import torch
+
+from compare_transformers import make_ggufs
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def lcpp_perplexity(llm, windows, ctx):
+    """exp(mean NLL) of the scored tokens of each window, from llama.cpp's logits (logits_all)."""
+    nlls = []
+    for window in windows:
+        llm.reset()
+        llm.eval(window)
+        logits = torch.from_numpy(np.array(llm.scores[:ctx], dtype=np.float32))  # (ctx, vocab)
+        first = ctx // 2
+        logp = torch.log_softmax(logits[first:-1].double(), dim=-1)
+        targets = torch.tensor(window[first + 1:])
+        nlls.append(-logp.gather(1, targets[:, None])[:, 0])
+    return math.exp(torch.cat(nlls).mean().item())
+
+
+def main(file: str = str(REPO / "data" / "alice29.txt"), ctx: int = 512, windows: int = None, threads: int = 2,
+         quantize="none,int8,int4", llamacpp: bool = True, lcpp_types="F32,Q8_0,Q4_0", gguf_dir: str = None):
+    import inspect
+    import tempfile
+
+    from llama import Llama
+    from llama.download import default_model_dir, default_model_gguf
+    from llama.perplexity import perplexity, window_starts
+
+    torch.set_num_threads(threads)
+    text = Path(file).read_text(encoding="utf-8")
+    kinds = [k.strip() for k in (quantize if isinstance(quantize, str) else ",".join(quantize)).split(",")]
+    if "quantize" not in inspect.signature(Llama.build).parameters:
+        kinds = [k for k in kinds if k == "none"]
+    rows = []
+    tokens = None
+    for kind in kinds:
+        extra = {} if kind == "none" else {"quantize": kind}
+        llama = Llama.build(default_model_dir(), max_seq_len=ctx, max_batch_size=1, device="cpu", dtype="float32",
+                            **extra)
+        tokens = llama.tokenizer.encode(text, bos=False, eos=False)
+        start = time.perf_counter()
+        result = perplexity(llama, tokens, ctx, max_windows=windows)
+        rows.append((f"ours, float32" if kind == "none" else f"ours, --quantize {kind}", result.perplexity,
+                     time.perf_counter() - start))
+        bos = llama.tokenizer.bos_id if llama.tokenizer.add_bos else None
+        del llama
+    if llamacpp:
+        try:
+            import llama_cpp
+        except ImportError:
+            print("note: llama_cpp is not installed, so llama.cpp is left out")
+        else:
+            windows_ = []
+            for s in window_starts(len(tokens), ctx, windows):
+                w = list(tokens[s:s + ctx])
+                if bos is not None:
+                    w[0] = bos
+                windows_.append(w)
+            types = [t.strip() for t in (lcpp_types if isinstance(lcpp_types, str) else ",".join(lcpp_types)).split(",")]
+            out_dir = Path(gguf_dir) if gguf_dir else Path(tempfile.gettempdir()) / "llama-kv-ggufs"
+            for name, path in make_ggufs(default_model_gguf(), out_dir, types, threads).items():
+                llm = llama_cpp.Llama(str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=threads,
+                                      n_threads_batch=threads, logits_all=True, verbose=False)
+                start = time.perf_counter()
+                rows.append((f"llama.cpp {name}", lcpp_perplexity(llm, windows_, ctx), time.perf_counter() - start))
+                del llm
+    n_windows = len(window_starts(len(tokens), ctx, windows))
+    print(f"{file}: {len(tokens)} tokens; {n_windows} windows of {ctx}, the second half of each scored "
+          f"({n_windows * (ctx - ctx // 2 - 1)} tokens); {threads} threads\n")
+    reference = rows[0][1]
+    print(f"{'':24} {'perplexity':>10} {'vs ours float32':>16} {'seconds':>8}")
+    for name, ppl, seconds in rows:
+        print(f"{name:24} {ppl:>10.4f} {100 * (ppl / reference - 1):>+15.2f}% {seconds:>8.1f}")
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
