@@ -8,6 +8,7 @@ exit, so torch has no undestroyed group to warn about.
 """
 
 import atexit
+import datetime
 import os
 import sys
 from typing import Optional, Union
@@ -95,11 +96,29 @@ def quiet_other_ranks(rank: int) -> None:
     sys.stdout = open(os.devnull, "w")
 
 
+# How long a rank waits at exit for the others before tearing its group down anyway.
+EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=60)
+
+
 def _destroy_process_group() -> None:
+    """At exit: wait until every rank is here, then destroy the group.
+
+    Without the barrier a rank that finishes first closes its connections while a slower rank may still
+    be receiving the last collective or tearing its own group down; under load that can abort the slower
+    rank at exit. gloo's monitored barrier gives up after a timeout, so a rank that died cannot hang exit.
+    """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=EXIT_BARRIER_TIMEOUT)
+        else:
+            dist.barrier()
+    except RuntimeError:
+        pass  # a peer is gone (torchrun reports its failure): tear down this rank's side regardless
+    dist.destroy_process_group()
 
 
 def local_device(device: torch.device) -> torch.device:
