@@ -28,6 +28,12 @@ _DYNAMIC_SOURCES = ",".join([
 ])
 
 
+# Compilations Dynamo keeps for the model's forward, across every compiled model in the process. Each kind of
+# step (with or without the cache, a batch size, float or quantized layers) is one; the default of 8 is
+# reached by a process that compiles a float, an int8 and an int4 model, as a benchmark comparing them does.
+_RECOMPILE_LIMIT = 64
+
+
 # Up to this many rows (batch x tokens fed), a compiled CPU step computes linear layers as a reduction.
 # Measured on a 2-core EPYC for 1536 x 576 and 576 x 1536 weights: the reduction wins at 1, 2 and 4
 # rows (1.2-2.7x faster than MKL) and loses at 16.
@@ -69,7 +75,8 @@ def compile_step(model: Transformer) -> Step:
     compiled = torch.compile(model, fullgraph=True)
 
     def step(tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]], num_logits: Optional[int] = None):
-        with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES):
+        with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES), \
+                torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             return compiled(tokens, start_pos, cache, num_logits=num_logits)
 
     try:

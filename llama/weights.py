@@ -266,6 +266,9 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
             if kept is None or not _shares_memory(kept, piece):
                 release_pages(piece)
         del local, pieces
+        # Freed scratch (quantizing's float32 rows, a converted tensor's old copy) stays in glibc's heap
+        # unless handed back; without this the heap grew by more than the model from tensor to tensor.
+        _return_free_memory()
         progress("loading weights", i + 1, total)
     try:
         model.load_state_dict(state, strict=True, assign=True)
