@@ -14,6 +14,7 @@ import pytest
 from conftest import TEST_STD, tiny_args
 from llama import Llama
 from llama.checkpoint import write_random_checkpoint
+from llama.convert.llama2_vocab import TOKENIZER_MODEL, fetch_llama2_vocab
 from llama.conversation import Conversation
 from llama.errors import LlamaError
 from llama.prompt_cache import PromptCacheError
@@ -24,10 +25,8 @@ MESSAGES = ["Hello! Who are you?", "What is the capital of France?", "And the ca
 
 
 def llama2_tokenizer() -> Path:
-    path = Path(os.environ.get("LLAMA_HOME", "/work/llama-home")) / "llama2-tokenizer" / "tokenizer.model"
-    if not path.is_file():
-        pytest.skip(f"LLaMA-2's tokenizer is not in {path.parent}")
-    return path
+    """LLaMA-2's real tokenizer; the first call in a fresh $LLAMA_HOME fetches it (see test_llama2_tokenizer.py)."""
+    return fetch_llama2_vocab() / TOKENIZER_MODEL
 
 
 @pytest.fixture(scope="module")
