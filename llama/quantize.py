@@ -90,7 +90,7 @@ class _QuantizedLinear(nn.Module):
 
     @property
     def n_groups(self) -> int:
-        return self.scales.shape[1]
+        return 1 if self.group_size is None else self.in_features // self.group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
@@ -138,7 +138,8 @@ class Int4Linear(_QuantizedLinear):
         super().__init__(in_features, out_features, group_size)
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device="meta"))
         self.register_buffer("mins", torch.empty_like(self.scales))
-        # Set by use_cpu_kernel_layout: `weight` then holds the kernel's layout, and these its scales.
+        # Set by use_cpu_kernel_layout: `weight` then holds the kernel's layout and `kernel_scales` its scales
+        # and zero points, in place of `scales` and `mins` (which are then None, to hold them only once).
         self.kernel_layout = False
         self.kernel_scales: Optional[torch.Tensor] = None
 
@@ -156,7 +157,9 @@ class Int4Linear(_QuantizedLinear):
         s, m = self.scales.float(), self.mins.float()
         # The kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
         self.kernel_scales = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (n_groups, out, 2)
-        self.weight = packed
+        # The kernel reads only these: keeping the float16 scales and mins too would hold a fifth of a 7B
+        # model's int4 bytes twice (0.8 GB). format_scales() gives them back, as the kernel rounds them.
+        self.weight, self.scales, self.mins = packed, None, None
         self.kernel_layout = True
         return True
 
@@ -166,8 +169,15 @@ class Int4Linear(_QuantizedLinear):
             return self.weight
         return pack_int4(_from_kernel_layout(self.weight, self.in_features))
 
+    def format_scales(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`scales` and `mins` in quant_format's layout; in the kernel's layout, the bf16 values it computes with."""
+        if not self.kernel_layout:
+            return self.scales, self.mins
+        s, zero = self.kernel_scales.float().transpose(0, 1).unbind(-1)  # (out, n_groups) each
+        return s.to(SCALE_DTYPE), (zero - 8 * s).to(SCALE_DTYPE)
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.format_weight(), self.scales, self.mins).to(dtype)
+        return dequantize(self.format_weight(), *self.format_scales()).to(dtype)
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_layout and self.kernels and kernels_ok(x, _HAS_INT4_KERNEL):
@@ -179,8 +189,14 @@ class Int4Linear(_QuantizedLinear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.format_weight()
+        destination[prefix + "scales"], destination[prefix + "mins"] = self.format_scales()
 
     def _load_from_state_dict(self, *args, **kwargs):
+        if self.kernel_layout:  # receive quant_format's tensors in buffers of their shapes again
+            device = self.weight.device
+            self.weight = torch.empty(self.out_features, self.in_features // 2, dtype=torch.uint8, device=device)
+            self.scales = torch.empty(self.out_features, self.n_groups, dtype=SCALE_DTYPE, device=device)
+            self.mins = torch.empty_like(self.scales)
         super()._load_from_state_dict(*args, **kwargs)
         self.kernel_layout, self.kernel_scales = False, None  # what was loaded is quant_format's layout
 

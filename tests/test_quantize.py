@@ -97,7 +97,7 @@ def test_bf16_kernels_match_the_float32_model_of_the_same_weights(quantized_bf16
     assert ((fallback - want).norm() / want.norm()).item() < 2e-2
 
 
-def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf16):
+def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf16, gqa_ckpt):
     assert not quantized["int4"].model.layers[0].feed_forward.w1.kernel_layout  # float32 runs keep the format
     layer = quantized_bf16["int4"].model.layers[0].feed_forward.w1
     assert layer.kernel_layout == kernels_ok(torch.zeros(1, dtype=torch.bfloat16),
@@ -108,6 +108,15 @@ def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf
     assert torch.equal(fresh.weight, layer.format_weight())
     fresh.use_cpu_kernel_layout()
     assert torch.equal(fresh.weight, layer.weight) and torch.equal(fresh.format_weight(), layer.format_weight())
+    if layer.kernel_layout:  # the kernel's scales replace the format's, which are not held twice
+        assert layer.scales is None and layer.mins is None
+        exact = build(gqa_ckpt, quantize="int4").model.layers[0].feed_forward.w1  # float32: the format's own
+        (scales, mins), want = layer.format_scales(), (exact.scales.float(), exact.mins.float())
+        # The kernel holds each scale and zero point (min + 8 * scale) in bf16: 2^-9 relative rounding each.
+        torch.testing.assert_close(scales.float(), want[0], rtol=2 ** -8, atol=1e-6)
+        # (as large as a rounding of min and of 8 * scale, where the two nearly cancel)
+        zero_error = (mins.float() + 8 * scales.float() - (want[1] + 8 * want[0])).abs()
+        assert (zero_error <= 2 ** -8 * (want[1].abs() + 8 * want[0].abs()) + 1e-6).all()
 
 
 @pytest.mark.parametrize("method", METHODS)
