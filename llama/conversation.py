@@ -122,4 +122,6 @@ class Conversation:
         restore(self.session, saved)
         messages: List[Message] = saved.dialog or []
         self.dialog = list(messages) if messages else list(self.start)
+        if messages and messages[0]["role"] == "system":
+            self.start = [messages[0]]  # what /reset returns to: the resumed conversation's system prompt
         return len(messages)

@@ -146,9 +146,21 @@ def test_a_saved_conversation_resumes_with_its_cache(llama2_ckpt, tmp_path):
     assert stranger.dialog == [] and stranger.session.tokens == []
 
 
+def test_reset_after_resuming_returns_to_the_saved_system_prompt(llama2_ckpt, tmp_path):
+    llama = Llama.build(llama2_ckpt, max_seq_len=256, max_batch_size=1, device="cpu", dtype="float32")
+    first = Conversation(llama, "Be kind.", max_gen_len=8)
+    first.respond(first.prepare(MESSAGES[0]), temperature=0)
+    first.save(tmp_path / "chat.kv")
+    resumed = Conversation(llama, max_gen_len=8)  # started without a system prompt of its own
+    assert resumed.resume(tmp_path / "chat.kv") == 3
+    resumed.reset()
+    assert resumed.dialog == [{"role": "system", "content": "Be kind."}]
+
+
 def chat(ckpt, *args, input: str):
+    length = [] if "--max-gen-len" in args else ["--max-gen-len", "8"]
     result = subprocess.run([str(BIN / "llama-chat"), "--ckpt-dir", str(ckpt), "--temperature", "0",
-                             "--max-gen-len", "8", *map(str, args)], input=input, capture_output=True, text=True,
+                             *length, *map(str, args)], input=input, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     return result
@@ -185,3 +197,10 @@ def test_chat_command_drops_the_oldest_exchanges_in_one_line(gqa_ckpt):
     notes = [line for line in result.stderr.splitlines() if "dropped the oldest" in line]
     assert notes and all(line.startswith("(the conversation no longer fits --max-seq-len 48") for line in notes)
     assert len(result.stdout.splitlines()) == 5  # every message was answered
+
+
+def test_chat_command_says_when_a_reply_must_be_shorter_than_asked(gqa_ckpt):
+    result = chat(gqa_ckpt, "--max-seq-len", "48", "--max-gen-len", "40", input="Hello there\n")
+    notes = [line for line in result.stderr.splitlines() if "leaves room for a reply of only" in line]
+    assert len(notes) == 1 and notes[0].endswith("in --max-seq-len 48; --max-gen-len asks for 40)")
+    assert result.stdout.strip()  # and the reply still came

@@ -133,6 +133,9 @@ def main(
         if turn.dropped and main_rank:
             print(f"(the conversation no longer fits --max-seq-len {max_seq_len}: dropped the oldest "
                   f"{turn.dropped} exchange{'s' if turn.dropped > 1 else ''})", file=sys.stderr)
+        if turn.max_gen_len < max_gen_len and main_rank:
+            print(f"(this message leaves room for a reply of only {turn.max_gen_len} tokens in --max-seq-len "
+                  f"{max_seq_len}; --max-gen-len asks for {max_gen_len})", file=sys.stderr)
 
         stream = TextStream(llama.tokenizer, [], sys.stdout) if main_rank else None
         times: List[float] = []
