@@ -27,11 +27,13 @@ class ModelArgs:
     multiple_of: int = 256  # feed-forward width is rounded up to a multiple of this
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    hidden_dim: Optional[int] = None
 
     max_batch_size: int = 32
     max_seq_len: int = 2048
+
+    # After Meta's fields, so that ModelArgs built positionally as Meta's means the same.
+    rope_theta: float = 10000.0
+    hidden_dim: Optional[int] = None
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -233,7 +235,9 @@ class Transformer(nn.Module):
             (bsz, num_logits or seqlen, vocab_size) float32 logits.
         """
         if cache is None and start_pos != 0:
-            raise ValueError(f"without a KV cache the whole prefix must be fed from position 0, not {start_pos}")
+            raise ValueError(f"without a KV cache the whole prefix must be fed from position 0, not {start_pos}; "
+                             "to feed tokens at a later position, pass the cache that holds the earlier ones "
+                             "(cache=model.new_kv_cache(bsz, max_seq_len), where Meta's model keeps one inside)")
         if cache is not None and len(cache) != self.n_layers:
             raise ValueError(f"expected {self.n_layers} layer caches, got {len(cache)}")
         bsz, seqlen = tokens.shape

@@ -1,6 +1,7 @@
 """A drop-in for Meta's `llama` package: its exports and signatures, and its two example scripts' calls run
 unmodified under real torchrun (gloo on the CPU) with 1 and 2 processes."""
 
+import dataclasses
 import inspect
 import os
 import subprocess
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import llama
 from conftest import EXAMPLE_TOKENIZER, write_tiny
@@ -45,6 +47,35 @@ def test_metas_arguments_come_first_in_metas_order_with_metas_defaults(method):
             assert param.default == default, name
     # Anything this project adds has a default, so Meta's calls never need it.
     assert all(p.default is not EMPTY for p in ours[len(META_SIGNATURES[method]):])
+
+
+# Meta's ModelArgs, field by field in order, with its defaults.
+META_MODEL_ARGS = [("dim", 4096), ("n_layers", 32), ("n_heads", 32), ("n_kv_heads", None), ("vocab_size", -1),
+                   ("multiple_of", 256), ("ffn_dim_multiplier", None), ("norm_eps", 1e-5), ("max_batch_size", 32),
+                   ("max_seq_len", 2048)]
+
+
+def test_model_args_take_metas_fields_in_metas_order():
+    fields = list(dataclasses.fields(llama.ModelArgs))
+    assert [(f.name, f.default) for f in fields[: len(META_MODEL_ARGS)]] == META_MODEL_ARGS
+    # Built positionally, as code written for Meta's class may do: max_seq_len lands in max_seq_len.
+    args = llama.ModelArgs(*[value for _, value in META_MODEL_ARGS[:-2]], 4, 128)
+    assert (args.max_batch_size, args.max_seq_len, args.rope_theta) == (4, 128, 10000.0)
+
+
+def test_tokenizer_and_transformer_take_metas_calls():
+    tokenizer = llama.Tokenizer(model_path=str(EXAMPLE_TOKENIZER))
+    assert (tokenizer.n_words, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) == (4000, 1, 2, -1)
+    ids = tokenizer.encode("Hello world", bos=True, eos=True)
+    assert ids[0] == 1 and ids[-1] == 2 and tokenizer.decode(ids) == "Hello world"
+    params = list(inspect.signature(llama.Transformer.forward).parameters)
+    assert params[:3] == ["self", "tokens", "start_pos"]
+    model = llama.Transformer(llama.ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=tokenizer.n_words))
+    tokens = torch.tensor([ids])
+    assert model(tokens, 0).shape == (1, len(ids), tokenizer.n_words)
+    # Meta's model keeps its cache inside; this one is handed the cache, and says so when it is missing.
+    with pytest.raises(ValueError, match="new_kv_cache"):
+        model(tokens[:, -1:], len(ids) - 1)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +146,8 @@ def test_the_process_group_is_destroyed_at_exit(ckpt, tmp_path):
         "import atexit, sys\n"
         "import torch.distributed as dist\n"
         "from llama import Llama\n"
-        "atexit.register(lambda: print('group still up at exit:', dist.is_initialized(), file=sys.stderr))\n"
+        # One write per rank (print writes its parts separately, and the two ranks' parts could interleave).
+        "atexit.register(lambda: sys.stderr.write(f'group still up at exit: {dist.is_initialized()}\\n'))\n"
         "llama = Llama.build(sys.argv[1], sys.argv[2], 32, 1, device='cpu')\n"
         "print('rank', llama.rank, 'of', llama.world_size)\n"
     )
