@@ -157,7 +157,7 @@ class Llama:
         # Refuse before reading gigabytes that cannot fit.
         dtype, notes = choose_dtype(source, args, plan, dtype, dtype_given, device, world_size)
         model = load_weights(model, source, args, plan, rank, world_size, device, dtype,
-                             eager_cpu=device.type == "cpu" and not compile, progress=progress)
+                             compiled=compile, progress=progress)
         llama = Llama(model, tokenizer, seed=seed)
         if compile:
             compile_start = time.perf_counter()

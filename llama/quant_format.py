@@ -99,7 +99,12 @@ def quantize_int4(w: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP_SIZE) ->
 
 def dequantize(weight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float32 (out, in) weight that stored int8 (mins None) or packed int4 values stand for."""
-    q = weight.float() if mins is None else unpack_int4(weight).float()
+    return dequantize_values(weight if mins is None else unpack_int4(weight), scales, mins)
+
+
+def dequantize_values(values: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float32 (out, in) weight that (out, in) values (int8, or unpacked int4 0..15) stand for."""
+    q = values.float()
     out_features, in_features = q.shape
     n_groups = scales.shape[1]
     g = q.reshape(out_features, n_groups, in_features // n_groups) * scales.float().unsqueeze(-1)

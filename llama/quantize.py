@@ -6,16 +6,17 @@ tensors of `llama/quant_format.py` as buffers (`weight`, `scales`, `mins`), so t
 none of this; forward hooks (model parallelism's all-reduce and all-gather) move to the new layers.
 
 How each layer multiplies, chosen at run time (docs/benchmarks.md has what each candidate measured):
-- eager, on the CPU, with bfloat16 activations (`--dtype bfloat16`): torch's private kernels,
+- bfloat16 activations on the CPU (`--dtype bfloat16`), eager or compiled: torch's private kernels,
   `aten._weight_int8pack_mm` (int8, one scale per output channel) and `aten._weight_int4pack_mm_for_cpu`
   (int4 in groups of 32..256), which take bf16 scales. The int4 kernel wants its own layout of the values:
   `use_cpu_kernel_layout` converts a layer in place (its state_dict still gives the on-disk layout).
   With float32 activations these kernels fall to scalar loops (50-500x slower), and feeding them
-  activations rounded to bf16 would let the cached and uncached runs round differently: float32 runs
-  take the exact paths below.
+  activations rounded to bf16 would let the cached and uncached runs round differently (their outputs are
+  bf16 too): float32 runs take the exact paths below.
 - compiled (llama/compile.py), at up to `REDUCTION_MAX_ROWS` rows: the dequantization is written into the
   dot-product reduction in the activations' dtype, so Inductor generates one loop that reads the packed
-  bytes and never materialises a float weight. The fast path for float32 runs.
+  bytes and never materialises a float weight. int4 layers are held in a layout of their own for it
+  (`use_reduction_layout`). The fast path for float32 runs.
 - everything else (eager float32, grouped int8, other devices, a torch without the kernels,
   `use_kernels(False)`): dequantize the weight to the activations' dtype and call `F.linear`: exactly the
   float model of the dequantized weights, always available, and slow (it writes a float weight per call).
@@ -30,8 +31,8 @@ from torch import nn
 from llama.compile import REDUCTION_MAX_ROWS
 from llama.errors import LlamaError
 from llama.quant_format import (
-    DEFAULT_INT4_GROUP_SIZE, METHODS, SCALE_DTYPE, dequantize, is_linear_weight, pack_int4, quantize_int4,
-    quantize_int8, unpack_int4,
+    DEFAULT_INT4_GROUP_SIZE, METHODS, SCALE_DTYPE, dequantize, dequantize_values, is_linear_weight, pack_int4,
+    quantize_int4, quantize_int8, unpack_int4,
 )
 
 # weight name -> (method, group size); the group size of per-channel int8 is the input width.
@@ -85,7 +86,6 @@ class _QuantizedLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.group_size = group_size  # None: one group per row (int8 per output channel)
         n_groups = 1 if group_size is None else in_features // group_size
-        self.kernels = True  # may use the bf16 CPU kernels; False computes in the activations' dtype
         self.register_buffer("scales", torch.empty(out_features, n_groups, dtype=SCALE_DTYPE, device="meta"))
 
     @property
@@ -93,17 +93,20 @@ class _QuantizedLinear(nn.Module):
         return 1 if self.group_size is None else self.in_features // self.group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel_takes(x):  # eager or compiled (Inductor calls the kernel as it is)
+            return self._kernel(x)
         rows = x.shape[:-1].numel()
         if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= REDUCTION_MAX_ROWS:
             return self._reduction(x)
-        return self._eager(x)
+        return F.linear(x, self.dequantized(x.dtype))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The (out, in) float weight these tensors stand for."""
         return dequantize(self.weight, self.scales, getattr(self, "mins", None)).to(dtype)
 
-    def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype))
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether torch's quantized CPU kernel can multiply `x` by this layer as it is held."""
+        return False
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -115,13 +118,27 @@ class Int8Linear(_QuantizedLinear):
     def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = None):
         super().__init__(in_features, out_features, group_size)
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device="meta"))
+        # The kernel's bf16 copy of `scales` (set by use_cpu_kernel_layout; 2 bytes per output channel).
+        # Inductor passes the kernel only tensors it holds, not ones computed in the compiled step.
+        self.kernel_scales: Optional[torch.Tensor] = None
 
-    def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        if self.n_groups == 1 and self.kernels and kernels_ok(x, _HAS_INT8_KERNEL):
-            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight,
-                                                     self.scales.reshape(-1).to(x.dtype))
-            return out.reshape(*x.shape[:-1], self.out_features)
-        return super()._eager(x)
+    def use_cpu_kernel_layout(self) -> bool:
+        """Keep the bf16 scales the int8 kernel reads, if this torch and the layer's grouping allow."""
+        if self.n_groups == 1 and _HAS_INT8_KERNEL and self.weight.device.type == "cpu":
+            self.kernel_scales = self.scales.reshape(-1).bfloat16()
+        return self.kernel_scales is not None
+
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        return self.n_groups == 1 and kernels_ok(x, _HAS_INT8_KERNEL)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        scales = self.kernel_scales if self.kernel_scales is not None else self.scales.reshape(-1).to(x.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, scales)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.kernel_scales = None  # made again from the scales loaded, when asked
 
     def _reduction(self, x: torch.Tensor) -> torch.Tensor:
         group = self.in_features // self.n_groups
@@ -138,53 +155,88 @@ class Int4Linear(_QuantizedLinear):
         super().__init__(in_features, out_features, group_size)
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device="meta"))
         self.register_buffer("mins", torch.empty_like(self.scales))
-        # Set by use_cpu_kernel_layout: `weight` then holds the kernel's layout and `kernel_scales` its scales
-        # and zero points, in place of `scales` and `mins` (which are then None, to hold them only once).
-        self.kernel_layout = False
+        # How `weight` holds the values in memory (state_dict() always gives quant_format's layout):
+        #   "format"  quant_format's: column 2j in the low nibble, 2j + 1 in the high one (as loaded);
+        #   "halves"  each group's first half in the low nibbles and its second half in the high ones, GGUF's
+        #             Q4 order: the compiled reduction then reads whole vectors of columns (use_halves_layout);
+        #   "kernel"  aten._weight_int4pack_mm_for_cpu's own, with `kernel_scales` holding its scales and zero
+        #             points in place of `scales` and `mins`, which are then None (use_cpu_kernel_layout).
+        self.layout = "format"
         self.kernel_scales: Optional[torch.Tensor] = None
+
+    @property
+    def kernel_layout(self) -> bool:
+        return self.layout == "kernel"
 
     def use_cpu_kernel_layout(self) -> bool:
         """Re-pack `weight` in place for `aten._weight_int4pack_mm_for_cpu`, if this torch and shape allow.
 
         Returns whether it did. Row blocks are packed independently, so this works a slice at a time.
         """
-        if (self.kernel_layout or not _HAS_INT4_KERNEL or self.weight.device.type != "cpu"
+        if (self.layout == "kernel" or not _HAS_INT4_KERNEL or self.weight.device.type != "cpu"
                 or self.group_size not in _INT4_KERNEL_GROUPS or self.out_features % _INT4_ROW_BLOCK):
-            return self.kernel_layout
+            return self.layout == "kernel"
         rows = _INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * _INT4_ROW_BLOCK))
         packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            unpack_int4(self.weight[r:r + rows]).to(torch.int32), 1) for r in range(0, self.out_features, rows)])
+            self._values(r, r + rows).to(torch.int32), 1) for r in range(0, self.out_features, rows)])
         s, m = self.scales.float(), self.mins.float()
         # The kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
         self.kernel_scales = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (n_groups, out, 2)
         # The kernel reads only these: keeping the float16 scales and mins too would hold a fifth of a 7B
         # model's int4 bytes twice (0.8 GB). format_scales() gives them back, as the kernel rounds them.
         self.weight, self.scales, self.mins = packed, None, None
-        self.kernel_layout = True
+        self.layout = "kernel"
         return True
+
+    def use_halves_layout(self) -> None:
+        """Re-pack `weight` in place into the "halves" layout that the compiled reduction reads."""
+        if self.layout == "halves":
+            return
+        half = self.group_size // 2
+        rows = _INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * _INT4_ROW_BLOCK))
+        pieces = []
+        for r in range(0, self.out_features, rows):
+            q = self._values(r, r + rows)
+            q = q.reshape(q.shape[0], self.n_groups, 2, half)  # (rows, n_groups, 2 halves, group / 2)
+            pieces.append((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], self.in_features // 2))
+        self.weight = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if self.layout == "kernel":
+            self.scales, self.mins = self.format_scales()
+            self.kernel_scales = None
+        self.layout = "halves"
+
+    def _values(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """Rows start..end of the (out, in) values 0..15, in column order, whichever layout the layer holds."""
+        packed = self.weight[start:end]
+        if self.layout == "kernel":  # packed in blocks of rows: slices must start and end on them
+            assert start % _INT4_ROW_BLOCK == 0 and packed.shape[0] % _INT4_ROW_BLOCK == 0
+            return _from_kernel_layout(packed, self.in_features)
+        if self.layout == "format":
+            return unpack_int4(packed)
+        halves = packed.reshape(packed.shape[0], self.n_groups, 1, self.group_size // 2)
+        return torch.cat([halves & 0x0F, halves >> 4], dim=2).reshape(packed.shape[0], self.in_features)
 
     def format_weight(self) -> torch.Tensor:
         """`weight` in quant_format's layout, whichever layout the layer holds."""
-        if not self.kernel_layout:
-            return self.weight
-        return pack_int4(_from_kernel_layout(self.weight, self.in_features))
+        return self.weight if self.layout == "format" else pack_int4(self._values())
 
     def format_scales(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """`scales` and `mins` in quant_format's layout; in the kernel's layout, the bf16 values it computes with."""
-        if not self.kernel_layout:
+        if self.layout != "kernel":
             return self.scales, self.mins
         s, zero = self.kernel_scales.float().transpose(0, 1).unbind(-1)  # (out, n_groups) each
         return s.to(SCALE_DTYPE), (zero - 8 * s).to(SCALE_DTYPE)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize(self.format_weight(), *self.format_scales()).to(dtype)
+        return dequantize_values(self._values(), *self.format_scales()).to(dtype)
 
-    def _eager(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_layout and self.kernels and kernels_ok(x, _HAS_INT4_KERNEL):
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight,
-                                                             self.group_size, self.kernel_scales)
-            return out.reshape(*x.shape[:-1], self.out_features)
-        return super()._eager(x)
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        return self.layout == "kernel" and kernels_ok(x, _HAS_INT4_KERNEL)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight,
+                                                         self.group_size, self.kernel_scales)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -192,25 +244,30 @@ class Int4Linear(_QuantizedLinear):
         destination[prefix + "scales"], destination[prefix + "mins"] = self.format_scales()
 
     def _load_from_state_dict(self, *args, **kwargs):
-        if self.kernel_layout:  # receive quant_format's tensors in buffers of their shapes again
+        if self.layout == "kernel":  # receive quant_format's tensors in buffers of their shapes again
             device = self.weight.device
             self.weight = torch.empty(self.out_features, self.in_features // 2, dtype=torch.uint8, device=device)
             self.scales = torch.empty(self.out_features, self.n_groups, dtype=SCALE_DTYPE, device=device)
             self.mins = torch.empty_like(self.scales)
         super()._load_from_state_dict(*args, **kwargs)
-        self.kernel_layout, self.kernel_scales = False, None  # what was loaded is quant_format's layout
+        self.layout, self.kernel_scales = "format", None  # what was loaded is quant_format's layout
 
     def _reduction(self, x: torch.Tensor) -> torch.Tensor:
-        # sum_j (q_j * s + m) * x_j = s * sum_j q_j x_j + m * sum_j x_j, group by group; the low nibble holds
-        # the even column and the high nibble the odd one.
-        assert not self.kernel_layout, "compile a model whose int4 layers hold quant_format's layout"
-        group = self.in_features // self.n_groups
-        xg = x.reshape(*x.shape[:-1], 1, self.n_groups, group // 2, 2)  # (..., 1, n_groups, group / 2, 2)
-        packed = self.weight.reshape(self.out_features, self.n_groups, group // 2)  # (out, n_groups, group / 2)
-        low, high = (packed & 0x0F).to(x.dtype), (packed >> 4).to(x.dtype)
-        dots = (low * xg[..., 0] + high * xg[..., 1]).sum(-1)  # (..., out, n_groups)
-        sums = xg.sum((-1, -2))  # (..., 1, n_groups)
-        return (dots * self.scales.to(x.dtype) + sums * self.mins.to(x.dtype)).sum(-1)
+        # sum_j (q_j * s + m) * x_j over the whole row, each weight dequantized in registers: Inductor writes
+        # one loop with one accumulator per row (summing group by group first, s * sum q x + m * sum x, costs
+        # a horizontal sum per group: measured 45 against 54 tokens/s on the default model). In the halves
+        # layout the low nibbles of a group's bytes are its first half of columns and the high ones its
+        # second, so each nibble plane meets a contiguous run of x and the loop reads whole vectors (the
+        # format's even/odd columns made it read x at a stride of 2: 12 tokens/s).
+        assert self.layout == "halves", "compile a model whose int4 layers hold the halves layout"
+        half = self.group_size // 2
+        xg = x.reshape(*x.shape[:-1], 1, self.n_groups, 2, half)  # (..., 1, n_groups, 2 halves, group / 2)
+        packed = self.weight.reshape(self.out_features, self.n_groups, half)  # (out, n_groups, group / 2)
+        scales = self.scales.to(x.dtype).unsqueeze(-1)  # (out, n_groups, 1)
+        mins = self.mins.to(x.dtype).unsqueeze(-1)
+        low = (packed & 0x0F).to(x.dtype) * scales + mins  # the dequantized weights of each group's first half
+        high = (packed >> 4).to(x.dtype) * scales + mins
+        return (low * xg[..., 0, :] + high * xg[..., 1, :]).sum((-1, -2))  # (..., out)
 
 
 def kernels_ok(x: torch.Tensor, available: bool = True) -> bool:
@@ -256,22 +313,20 @@ def _kernel_permutation(in_features: int) -> torch.Tensor:
     return _PERMUTATIONS[in_features]
 
 
-def use_exact_layers(model: nn.Module) -> nn.Module:
-    """Make every quantized layer compute in its input's dtype (no bf16 kernels), in their stored layout.
-
-    For compiled runs: the compiled one-token step multiplies in float32, so the prompt and the uncached
-    steps must too, or the cache switch would compare bf16 products with float32 ones.
-    """
+def use_reduction_layout(model: nn.Module) -> nn.Module:
+    """Give the int4 layers on the CPU that the bf16 kernel does not take the halves layout that the compiled
+    reduction reads (for compiled runs; eager ones read any layout)."""
     for module in model.modules():
-        if isinstance(module, _QuantizedLinear):
-            module.kernels = False
+        if isinstance(module, Int4Linear) and module.layout == "format" and module.weight.device.type == "cpu":
+            module.use_halves_layout()
     return model
 
 
 def use_cpu_kernel_layout(model: nn.Module) -> nn.Module:
-    """Re-pack every int4 layer of a model for the CPU kernel (for eager runs; compiled ones read the format)."""
+    """Ready every quantized layer of a model for torch's bf16 CPU kernels where they take it (int4 layers are
+    re-packed, int8 ones keep bf16 scales)."""
     for module in model.modules():
-        if isinstance(module, Int4Linear):
+        if isinstance(module, (Int8Linear, Int4Linear)):
             module.use_cpu_kernel_layout()
     return model
 

@@ -29,7 +29,7 @@ from llama.progress import Progress, or_silent
 from llama.quant_format import RECORD_NAME, is_linear_weight, method_of, quantized_shapes, read_record
 from llama.quantize import (
     Plan, check_method, describe, plan_for, quantize_weight, swap_linears, use_cpu_kernel_layout,
-    use_exact_layers,
+    use_reduction_layout,
 )
 from llama.sharding import split_dim
 
@@ -219,19 +219,21 @@ def choose_dtype(source: Optional[Source], args: ModelArgs, plan: Plan, dtype: t
 
 
 def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, rank: int, world_size: int,
-                 device: torch.device, dtype: torch.dtype, eager_cpu: bool,
+                 device: torch.device, dtype: torch.dtype, compiled: bool,
                  progress: Optional[Progress] = None) -> nn.Module:
     """Fill `model` (built on the meta device, already split for `world_size` ranks) from `source`.
 
     Args:
         plan: weight name -> (method, group size) for the linear layers to hold quantized (from the file, or
             to quantize as they load).
-        eager_cpu: lay weights out for eager CPU runs: float projections with more outputs than inputs
-            input-major (see Transformer.use_column_major_weights) and, in bf16, int4 ones in the CPU
-            kernel's layout. Otherwise (compiled runs, other devices) quantized
-            layers compute in the activations' dtype, so that every step of a run rounds alike.
+        compiled: lay the weights out for llama/compile.py's step rather than for eager runs. Eager CPU runs
+            hold float projections with more outputs than inputs input-major (see
+            Transformer.use_column_major_weights); compiled ones keep them row-major for their reductions,
+            and hold int4 layers in the layout those read. In bf16 on the CPU, int4 layers take the CPU
+            kernel's layout either way.
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
     """
+    input_major = device.type == "cpu" and not compiled
     progress = or_silent(progress)
     full_shapes = expected_shapes(args)
     stored = _quantized_shapes(full_shapes, source.stored_plan)
@@ -252,7 +254,7 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
             for suffix, tensor in quantize_weight(local, *plan[name][:1], layer.group_size).items():
                 state[f"{name.removesuffix('.weight')}.{suffix}"] = tensor.to(device)
         elif local.dtype in _FLOAT_DTYPES:
-            if eager_cpu and is_linear_weight(name) and local.shape[0] >= local.shape[1]:
+            if input_major and is_linear_weight(name) and local.shape[0] >= local.shape[1]:
                 # Input-major in one copy (converting first, then transposing, would allocate twice).
                 tensor = torch.empty(local.shape[::-1], dtype=dtype, device=device).t()
                 tensor.copy_(local)
@@ -279,13 +281,13 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
     stored_int4 = [(layers[n.removesuffix(".weight")], state[n]) for n, (m, _) in source.stored_plan.items()
                    if m == "int4"]
     state.clear()
-    if not eager_cpu:
-        use_exact_layers(model)
-    elif device.type == "cpu" and dtype == torch.bfloat16:  # the kernels take bf16 activations only
+    if device.type == "cpu" and dtype == torch.bfloat16:  # the kernels take bf16 activations only
         use_cpu_kernel_layout(model)
-        for layer, tensor in stored_int4:
-            if layer.kernel_layout:
-                release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
+    if compiled:
+        use_reduction_layout(model)  # the int4 layers the kernel does not take
+    for layer, tensor in stored_int4:
+        if layer.layout != "format":
+            release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
     _return_free_memory()
     return model
 

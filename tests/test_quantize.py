@@ -119,6 +119,27 @@ def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf
         assert (zero_error <= 2 ** -8 * (want[1].abs() + 8 * want[0].abs()) + 1e-6).all()
 
 
+def test_every_int4_layout_holds_the_same_values(quantized):
+    """format -> halves -> kernel -> halves -> format: the values, scales and state_dict never change."""
+    layer = quantized["int4"].model.layers[0].feed_forward.w1
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    fresh = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
+    fresh.load_state_dict(state, assign=True)
+    want = fresh.dequantized()
+    fresh.use_halves_layout()
+    assert fresh.layout == "halves" and not torch.equal(fresh.weight, state["weight"])
+    # Byte j of group g holds columns 32g + j (low nibble) and 32g + 16 + j (high nibble).
+    values = qf.unpack_int4(state["weight"])
+    assert torch.equal(fresh.weight[:, 0] & 15, values[:, 0]) and torch.equal(fresh.weight[:, 0] >> 4, values[:, 16])
+    assert torch.equal(fresh.dequantized(), want)
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+    if fresh.use_cpu_kernel_layout():  # from the halves layout to the kernel's, and back
+        assert fresh.layout == "kernel"
+        fresh.use_halves_layout()
+        assert torch.equal(qf.unpack_int4(fresh.format_weight()), values)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_quantization_error_is_what_the_format_allows(method):
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(0))
@@ -266,3 +287,28 @@ def test_compiled_quantized_step_keeps_the_cache_switch_exact(gqa_ckpt, method):
     assert cached == eager
     for a, b in zip(lp_cached, lp_eager):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="--compile needs a C++ compiler")
+@pytest.mark.parametrize("method", METHODS)
+def test_compiled_bf16_step_calls_the_kernels_and_stays_within_bf16_of_float32(gqa_ckpt, method):
+    """In bf16 on the CPU the compiled step multiplies with torch's kernels, as the eager one does; its logits
+    stay within bf16's tolerance of the float32 model of the same weights."""
+    compiled = build(gqa_ckpt, quantize=method, compile=True, dtype="bfloat16")
+    layer = compiled.model.layers[0].feed_forward.w1
+    available = kernels_ok(torch.zeros(1, dtype=torch.bfloat16),
+                           hasattr(torch.ops.aten, "_weight_int8pack_mm" if method == "int8" else "_weight_int4pack_mm_for_cpu"))
+    if method == "int4":
+        assert layer.layout == ("kernel" if available else "halves")
+    else:
+        assert (layer.kernel_scales is not None) == available
+    reference = _dequantized_float_model(compiled.model).float()
+    tokens = torch.randint(0, reference.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = reference(tokens)
+        cache = compiled.model.new_kv_cache(1, 24)
+        steps = [compiled.model(tokens[:, :4], 0, cache)[:, -1:]]
+        steps += [compiled.compiled_step(tokens[:, i:i + 1], i, cache, num_logits=1) for i in range(4, 20)]
+    got = torch.cat(steps, dim=1).float()
+    assert ((got - want[:, 3:]).norm() / want[:, 3:].norm()).item() < 2e-2
