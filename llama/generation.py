@@ -127,7 +127,8 @@ class Llama:
             progress: told ("loading weights", done, total) as the tensors load (llama/progress.py).
 
         A checkpoint stored in bfloat16 whose float32 copy would not fit in memory runs in bfloat16 on the
-        CPU when no dtype is given; `load_notes` then says so.
+        CPU when no dtype is given; `load_notes` then says so. It also says when quantized layers will run
+        slowly (eagerly in float32 on the CPU) and what would run them fast.
 
         Raises:
             LlamaError: a file is missing or malformed, or the weights do not match params.json.
@@ -156,6 +157,10 @@ class Llama:
         plan = resolve_plan(model, source, quantize)
         # Refuse before reading gigabytes that cannot fit.
         dtype, notes = choose_dtype(source, args, plan, dtype, dtype_given, device, world_size)
+        if plan and device.type == "cpu" and dtype == torch.float32 and not compile:
+            notes.append("quantized layers in float32 run eagerly by widening each weight as it is used, which is "
+                         "exact but slow: --compile runs them fast and exact; --dtype bfloat16 runs torch's int8/int4 "
+                         "kernels, fast, but cached and uncached runs then agree only to bf16 rounding")
         model = load_weights(model, source, args, plan, rank, world_size, device, dtype,
                              compiled=compile, progress=progress)
         llama = Llama(model, tokenizer, seed=seed)

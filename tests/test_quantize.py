@@ -32,6 +32,12 @@ def test_every_linear_layer_is_quantized_and_the_embedding_is_not(quantized, met
     assert quantized[method].quantization == {"int8": "int8", "int4": "int4-g32"}[method]
 
 
+def test_a_slow_quantized_run_says_what_would_be_fast(quantized, quantized_bf16):
+    (note,) = quantized["int4"].load_notes  # float32, eager: exact but slow
+    assert "--compile runs them fast and exact" in note and "--dtype bfloat16" in note
+    assert quantized_bf16["int4"].load_notes == []
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_cache_switch_is_exact(quantized, method):
     llama = quantized[method]
@@ -272,6 +278,7 @@ def test_quantize_model_on_a_built_float_model_matches_quantizing_while_loading(
 def test_compiled_quantized_step_keeps_the_cache_switch_exact(gqa_ckpt, method):
     """--compile fuses the dequantization into the reduction; it must agree with the exact eager path."""
     compiled = build(gqa_ckpt, quantize=method, compile=True)
+    assert compiled.load_notes == []  # the fast exact path: nothing to warn of
     prompts = [[1, 50, 7, 99, 12], [1, 3000, 8]]
     cached, lp_cached = compiled.generate(prompts, 12, temperature=0, logprobs=True, kv_cache=True)
     uncached, lp_uncached = compiled.generate(prompts, 12, temperature=0, logprobs=True, kv_cache=False)

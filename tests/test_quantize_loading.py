@@ -143,7 +143,8 @@ def test_peak_memory_of_loading_is_what_the_memory_check_reckons(mid_ckpt, gqa_c
 
         plan = plan_for(Transformer(args), quantize) if quantize != "none" else {}
     reckoned = peak_bytes(expected_shapes(args), plan, getattr(torch, dtype), 1, 1, 2)
-    assert grown <= reckoned, f"grew {grown / 2**20:.0f} MiB, reckoned {reckoned / 2**20:.0f} MiB"
+    # Two processes' peaks differ by a few MiB of allocator arenas whatever the model: 8 MiB of slack for that.
+    assert grown <= reckoned + 8 * 2**20, f"grew {grown / 2**20:.0f} MiB, reckoned {reckoned / 2**20:.0f} MiB"
     assert grown < limit * nbytes, f"grew {grown / 2**20:.0f} MiB for {nbytes / 2**20:.0f} MiB of bf16 weights"
 
 

@@ -1,5 +1,6 @@
 """Loading the model the way every command does: flags in, a ready Llama out."""
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -40,10 +41,12 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         dtype=dtype,
         compile=compile,
         quantize=quantize,
-        progress=ProgressPrinter() if _is_big(ckpt_dir) else None,
+        # Under torchrun every rank loads alike: rank 0's bar stands for all.
+        progress=ProgressPrinter() if _is_big(ckpt_dir) and os.environ.get("RANK", "0") == "0" else None,
     )
-    for note in llama.load_notes:
-        print(f"note: {note}", file=sys.stderr, flush=True)
+    if is_main_rank(llama):  # every rank loads alike; one copy of each note is enough
+        for note in llama.load_notes:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     return llama
 
 
