@@ -41,12 +41,8 @@ def row_major(llama):
 
 def run(llama, prompt_ids, n):
     stamps = []
-    stop_ids, llama.tokenizer.stop_ids = llama.tokenizer.stop_ids, []
-    try:
-        (tokens,), _ = llama.generate([prompt_ids], n, temperature=0,
-                                      on_step=lambda pos, tok: stamps.append(time.perf_counter()))
-    finally:
-        llama.tokenizer.stop_ids = stop_ids
+    (tokens,), _ = llama.generate([prompt_ids], n, temperature=0, ignore_stop=True,
+                                  on_step=lambda pos, tok: stamps.append(time.perf_counter()))
     return decode_rate(stamps), tokens
 
 

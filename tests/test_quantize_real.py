@@ -43,3 +43,64 @@ def test_quantized_greedy_text_stays_sensible(ckpt_dir, method, dtype):
     out = llama.text_completion(["The capital of France is", "def fibonacci(n):"], temperature=0, max_gen_len=12)
     assert "Paris" in out[0]["generation"]
     assert "return" in out[1]["generation"] or "fib" in out[1]["generation"] or "if" in out[1]["generation"]
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a village of 1,024 people,",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.fixture(scope="module")
+def transformers_tokens():
+    """transformers' 32 greedy tokens after each prompt, from the same GGUF file, stop tokens ignored."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
+    from llama.download import default_model_gguf
+
+    path = default_model_gguf()
+    model = transformers.LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run on through end-of-turn tokens, as ignore_stop does
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    out = {}
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt)["input_ids"]
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0)
+            out[prompt] = (ids, generated[0, len(ids):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def file_quantized(tmp_path_factory):
+    """The default model's GGUF converted keeping its blocks: Q4_1 projections as int4, the Q8_0 output as int8."""
+    from llama.convert.gguf import convert_gguf
+    from llama.download import default_model_gguf
+
+    ckpt = convert_gguf(default_model_gguf(), tmp_path_factory.mktemp("q") / "smollm2-q4_1")
+    return Llama.build(ckpt, max_seq_len=128, max_batch_size=1, device="cpu", dtype="float32")
+
+
+def test_the_models_own_quantized_blocks_give_the_float_models_logits(ckpt_dir, file_quantized):
+    """Held as int4/int8 they are the very values the float checkpoint holds widened: only the order of the
+    additions differs (float32 rounding on logits of magnitude ~20)."""
+    assert file_quantized.quantization == "mixed"
+    widened = Llama.build(ckpt_dir, max_seq_len=128, max_batch_size=1, device="cpu", dtype="float32")
+    ids = torch.tensor([widened.tokenizer.encode(PROMPTS[2], bos=True, eos=False)])
+    with torch.inference_mode():
+        got, want = file_quantized.model(ids), widened.model(ids)
+    assert want.abs().max() > 5
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_int4_greedy_text_agrees_with_transformers_for_32_tokens(file_quantized, transformers_tokens, prompt):
+    """Run in float32 (exact, see test_quantize.py), the model held in its file's own int4 blocks continues each
+    prompt as transformers does on the same GGUF. (`--quantize int4` also rounds the output layer, which the
+    file holds as Q8_0, to int4: its text is checked for sense in test_quantized_greedy_text_stays_sensible.)"""
+    ids, theirs = transformers_tokens[prompt]
+    assert file_quantized.tokenizer.encode(prompt, bos=True, eos=False) == ids
+    (ours,), _ = file_quantized.generate([ids], 32, temperature=0, ignore_stop=True)
+    assert len(theirs) == 32 and ours == theirs
