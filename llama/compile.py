@@ -6,7 +6,10 @@ length and (without the cache) the prefix length are compiled as symbolic sizes,
 serves every step of every later call with the same batch size.
 """
 
+import contextlib
+import logging
 import re
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -58,6 +61,22 @@ class _ReductionLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+@contextlib.contextmanager
+def _quiet_inductor():
+    """Hold back Inductor's warnings about its own fallbacks while it compiles (complex numbers, and with the
+    C++ wrapper some view ops, go through slower generic calls): its business, not the user's."""
+    logger = logging.getLogger("torch._inductor.ir")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            # The rotary embedding's complex product runs as an eager kernel inside the compiled step.
+            warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def compile_step(model: Transformer) -> Step:
     """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
 
@@ -73,10 +92,16 @@ def compile_step(model: Transformer) -> Step:
         if type(module) is nn.Linear:
             module.__class__ = _ReductionLinear
     compiled = torch.compile(model, fullgraph=True)
+    # On the CPU the step's kernels are called from generated C++ rather than Python: measured on a 2-core
+    # Xeon, 7% more tokens/s for a float32 model and 14-15% for int8/int4 ones (where the Python calls were a
+    # larger share of a shorter step), for about twice the first compilation (115 against 50 s for int8;
+    # the same 11 s once Inductor has it on disk).
+    cpp_wrapper = model.tok_embeddings.weight.device.type == "cpu"
 
     def step(tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]], num_logits: Optional[int] = None):
         with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES), \
-                torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), \
+                torch._inductor.config.patch(cpp_wrapper=cpp_wrapper), _quiet_inductor():
             return compiled(tokens, start_pos, cache, num_logits=num_logits)
 
     try:

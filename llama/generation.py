@@ -281,9 +281,10 @@ class Llama:
         for cur_pos in range(min_prompt_len, total_len):
             # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
             num_logits = cur_pos - prev_pos if logprobs else 1
-            # The prompt runs eagerly, so that a new prompt length never costs a compilation.
-            first = cur_pos == min_prompt_len
-            forward = self.compiled_step if self.compiled_step is not None and not first else self.model
+            # The prompt runs eagerly, so that a new prompt length never costs a compilation; so does a step at
+            # position 1 (after a one-token prompt), which the compiled step would specialise on and compile anew.
+            eager = cur_pos == min_prompt_len or (kv_cache and prev_pos < 2)
+            forward = self.compiled_step if self.compiled_step is not None and not eager else self.model
             if kv_cache:
                 logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
             else:

@@ -1,12 +1,12 @@
 """Decode speed of this project against Hugging Face transformers and llama.cpp, on the same weights.
 
     python scripts/compare_transformers.py [--new_tokens 128,512] [--repeats 3] [--threads 2] [--nocompile]
-        [--nollamacpp] [--lcpp_types F32,Q8_0,Q4_0] [--gguf_dir DIR]
+        [--nollamacpp] [--lcpp_types F32,Q8_0,Q4_0] [--gguf_dir DIR] [--noquantized]
 
 All load the default model (SmolLM2-135M-Instruct, from the same GGUF) on the CPU and decode greedily at
 batch 1 from the same prompt token ids, each with its KV cache, ignoring stop tokens. Ours runs in float32
-eagerly (the default) and with --compile (compiled before any timing), and with --quantize int8 / int4
-where this version's Llama.build takes `quantize`. transformers runs in float32. llama.cpp is optional:
+eagerly (the default) and with --compile (compiled before any timing); with --quantize int8 / int4 in float32
+compiled (exact) and in bf16 eager and compiled (torch's int8/int4 kernels), unless --noquantized. transformers runs in float32. llama.cpp is optional:
 the `llama_cpp` module of llama-cpp-python built from source (`pip install --no-binary llama-cpp-python
 llama-cpp-python`), left out with a note when it is not installed. It runs a GGUF of each --lcpp_types,
 made once into --gguf_dir by llama.cpp's own quantizer from the shipped Q4_1 file: F32 holds exactly the
@@ -113,7 +113,7 @@ def agree(a: List[int], b: List[int]) -> int:
 
 
 def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool = True, llamacpp: bool = True,
-         lcpp_types="F32,Q8_0,Q4_0", gguf_dir: str = None):
+         lcpp_types="F32,Q8_0,Q4_0", gguf_dir: str = None, quantized: bool = True):
     from transformers import LlamaForCausalLM
 
     import transformers
@@ -126,15 +126,19 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
 
     ckpt = default_model_dir(progress=ProgressPrinter(prefix="llama-download: "))
     gguf = default_model_gguf()
-    build = dict(max_seq_len=max(lengths) + 64, max_batch_size=1, device="cpu", dtype="float32")
-    ours = {"ours": Llama.build(ckpt, **build)}
+    build = dict(max_seq_len=max(lengths) + 64, max_batch_size=1, device="cpu")
+    ours = {"ours": Llama.build(ckpt, dtype="float32", **build)}
     if compile:
-        ours["ours --compile"] = Llama.build(ckpt, compile=True, **build)
-    if "quantize" in inspect.signature(Llama.build).parameters:  # once this version has --quantize
+        ours["ours --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **build)
+    if quantized and "quantize" in inspect.signature(Llama.build).parameters:  # once this version has --quantize
+        # float32 runs only compiled (eagerly they widen weights: exact but slow); bf16 runs with torch's kernels.
         for kind in ("int8", "int4"):
-            ours[f"ours --quantize {kind}"] = Llama.build(ckpt, quantize=kind, **build)
             if compile:
-                ours[f"ours --quantize {kind} --compile"] = Llama.build(ckpt, quantize=kind, compile=True, **build)
+                ours[f"ours {kind} --compile"] = Llama.build(ckpt, quantize=kind, dtype="float32", compile=True, **build)
+            ours[f"ours {kind} bf16"] = Llama.build(ckpt, quantize=kind, dtype="bfloat16", **build)
+            if compile:
+                ours[f"ours {kind} bf16 --compile"] = Llama.build(ckpt, quantize=kind, dtype="bfloat16", compile=True,
+                                                                  **build)
     runners: Dict[str, Callable] = {name: functools.partial(ours_once, llama) for name, llama in ours.items()}
     theirs = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     runners["transformers"] = functools.partial(theirs_once, theirs)

@@ -61,9 +61,11 @@ def test_compiled_generation_equals_eager(eager, compiled, kv_cache, prompts):
 def test_later_calls_compile_nothing(compiled):
     """The build compiled the batch-1 cached step for every position and cache length: new prompts and
     lengths must reuse it (each recompilation would cost the user half a minute)."""
+    prompts = _tokens(compiled, ["Hello", "A much longer prompt than the one before it, to move positions"])
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for prompt, n in (("Hello", 3), ("A much longer prompt than the one before it, to move positions", 30)):
-            (tokens,), _ = compiled.generate(_tokens(compiled, [prompt]), n, temperature=0)
+        # A one-token prompt too: its first step, at position 1, would be compiled anew if it were compiled.
+        for prompt, n in ((prompts[0], 3), (prompts[1], 30), ([1], 6)):
+            (tokens,), _ = compiled.generate([prompt], n, temperature=0)
             assert tokens
 
 

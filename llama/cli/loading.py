@@ -29,7 +29,7 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
                      seed: int, device: Optional[str], dtype: Optional[str], compile: bool = False,
                      quantize: Optional[str] = None) -> Llama:
     if compile:
-        print("compiling the decode step (--compile): a minute or more the first time, faster once Inductor "
+        print("compiling the decode step (--compile): one to two minutes the first time, seconds once Inductor "
               "has it cached on disk", file=sys.stderr, flush=True)
     llama = Llama.build(
         ckpt_dir=str(ckpt_dir) if ckpt_dir is not None else default_ckpt_dir(),
