@@ -180,8 +180,39 @@ def test_a_bf16_checkpoint_whose_float32_copy_cannot_fit_runs_in_bf16_with_a_not
     with pytest.raises(LlamaError, match="the model's weights in float32 needs .* GiB on cpu but only"):
         build(bf16_tiny, dtype="float32")  # an explicit dtype still wins, and is refused before loading
     monkeypatch.setattr(weights, "available_memory", lambda device: need16 // 2)
-    with pytest.raises(LlamaError, match="--quantize int4"):
-        build(bf16_tiny, dtype=None)  # not even bf16 fits: the error names what would
+    # Not even bf16 fits, and on a model this small quantizing's scratch outweighs what it saves.
+    with pytest.raises(LlamaError, match="nothing smaller fits on one device here"):
+        build(bf16_tiny, dtype=None)
+
+
+@pytest.mark.parametrize("free_gib,fits", [
+    (30, None),  # float32 (about 25 GiB with loading's peak) fits
+    (20, ["--dtype bfloat16", "--quantize int8 --dtype bfloat16", "--quantize int4 --dtype bfloat16"]),
+    (10, ["--quantize int8 --dtype bfloat16", "--quantize int4 --dtype bfloat16"]),
+    (5, ["--quantize int4 --dtype bfloat16"]),
+    (3, []),
+])
+def test_a_model_too_big_is_refused_naming_what_would_fit(monkeypatch, free_gib, fits):
+    """LLaMA-2 7B's shapes (on the meta device: nothing is allocated) against a machine of `free_gib`."""
+    import re
+
+    import llama.weights as weights
+    from llama.errors import LlamaError
+    from llama.model import ModelArgs
+
+    args = ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, max_seq_len=64, max_batch_size=1)
+    monkeypatch.setattr(weights, "available_memory", lambda device: free_gib * 2**30)
+    if fits is None:
+        assert weights.choose_dtype(None, args, {}, torch.float32, True, torch.device("cpu"), 1) == (torch.float32, [])
+        return
+    with pytest.raises(LlamaError) as error:
+        weights.choose_dtype(None, args, {}, torch.float32, True, torch.device("cpu"), 1)
+    message = str(error.value)
+    assert message.startswith("the model's weights in float32 needs ")
+    named = re.findall(r"(--[a-z0-9 -]+?) \([0-9.]+ GiB\)", message)
+    assert named == fits, message
+    if not fits:
+        assert "nothing smaller fits" in message
 
 
 def test_a_bf16_checkpoint_that_fits_in_float32_runs_in_float32_without_a_note(bf16_tiny):
