@@ -8,6 +8,7 @@ serves every step of every later call with the same batch size.
 
 import contextlib
 import logging
+import os
 import re
 import warnings
 from typing import Callable, List, Optional
@@ -93,10 +94,11 @@ def compile_step(model: Transformer) -> Step:
             module.__class__ = _ReductionLinear
     compiled = torch.compile(model, fullgraph=True)
     # On the CPU the step's kernels are called from generated C++ rather than Python: measured on a 2-core
-    # Xeon, 7% more tokens/s for a float32 model and 14-15% for int8/int4 ones (where the Python calls were a
-    # larger share of a shorter step), for about twice the first compilation (115 against 50 s for int8;
-    # the same 11 s once Inductor has it on disk).
-    cpp_wrapper = model.tok_embeddings.weight.device.type == "cpu"
+    # Xeon (scripts/compare_compiled.py), 6-15% more tokens/s, the most where the step is shortest, for about
+    # twice the first compilation (115 against 50 s for int8; the same 11 s once Inductor has it on disk).
+    # LLAMA_COMPILE_CPP_WRAPPER=0 turns it off, to measure the difference or to work around a torch bug.
+    cpp_wrapper = (model.tok_embeddings.weight.device.type == "cpu"
+                   and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
 
     def step(tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]], num_logits: Optional[int] = None):
         with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES), \

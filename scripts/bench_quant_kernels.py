@@ -12,6 +12,7 @@ wait on each other's time slices and read 10-100x slow.
 import time, sys, torch, torch.nn.functional as F
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent.parent))
 from llama import quant_format as qf
+from llama.quantize import Int4Linear, Int8Linear
 torch.set_num_threads(2)
 
 def bench(fn, n=None, t=0.5):
@@ -48,26 +49,19 @@ def run(out_f, in_f, gs=32):
             got = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, g, sz.bfloat16()).float()
             got32 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)
             print('  int4 err bf16', (got - ref).abs().max().item(), 'fp32', (got32 - ref).abs().max().item(), 'ref max', ref.abs().max().item())
-        # compiled fused reduction
-        ps, ss, ms = p, s, m
-        def red4(x, p, s, m, g=g):
-            o, half = p.shape
-            G = s.shape[1]
-            xg = x.view(-1, 1, G, g // 2, 2)
-            pg = p.view(o, G, g // 2)
-            lo = (pg & 15).to(x.dtype); hi = (pg >> 4).to(x.dtype)
-            dot = (lo * xg[..., 0] + hi * xg[..., 1]).sum(-1)  # (rows, o, G)
-            xs = xg.sum((-1, -2))  # (rows, 1, G)
-            return (dot * s.to(x.dtype) + xs * m.to(x.dtype)).sum(-1)
-        c4 = torch.compile(red4, fullgraph=True)
+        # the compiled reduction llama/quantize.py ships (halves layout, dequantized in registers)
+        layer4 = Int4Linear(in_f, out_f, g)
+        layer4.weight, layer4.scales, layer4.mins = p, s, m
+        layer4.use_halves_layout()
+        c4 = torch.compile(layer4._reduction, fullgraph=True)
         ref = F.linear(x, qf.dequantize(p, s, m))
-        got = c4(x, p, s, m)
-        res[f'int4 compiled reduction g{g}'] = bench(lambda: c4(x, p, s, m))
-        print(f'  red4 g{g} err', (got - ref).abs().max().item())
-    def red8(x, q, s):
-        return (x.unsqueeze(-2) * q.to(x.dtype)).sum(-1) * s.to(x.dtype)
-    c8 = torch.compile(red8, fullgraph=True)
-    res['int8 compiled reduction'] = bench(lambda: c8(x, q8, s8f))
+        got = c4(x)
+        res[f'int4 compiled reduction g{g}'] = bench(lambda: c4(x))
+        print(f'  reduction int4 g{g} err', (got - ref).abs().max().item())
+    layer8 = Int8Linear(in_f, out_f)
+    layer8.weight, layer8.scales = q8, s8
+    c8 = torch.compile(layer8._reduction, fullgraph=True)
+    res['int8 compiled reduction'] = bench(lambda: c8(x))
     def redf(x, w):
         return (x.unsqueeze(-2) * w).sum(-1)
     cf = torch.compile(redf, fullgraph=True)
