@@ -118,9 +118,10 @@ class Llama:
             dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
                 unsupported) and float32 on CPU.
             compile: run the generation steps after the prompt through torch.compile (llama/compile.py).
-                The batch-1 step with the cache is compiled before build returns (46 s on a 2-core CPU with
-                an empty Inductor cache, about 12 s once Inductor has cached it); other batch sizes and the
-                uncached step compile at their first use. Needs a C++ compiler on the CPU; one process only.
+                The batch-1 step with the cache is compiled before build returns (one to two minutes on a
+                2-core CPU with an empty Inductor cache, about 11 s once it has it cached); other batch sizes
+                and the uncached step compile at their first use. Needs a C++ compiler on the CPU; one
+                process only.
             quantize: None, "int8" (per output channel) or "int4" (groups of 32 columns): quantize every
                 linear layer as it loads (llama/quantize.py). A checkpoint stored quantized (it has
                 quantization.json) loads as stored without it; asking it for another method is an error.
