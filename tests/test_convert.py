@@ -148,6 +148,9 @@ def test_gguf_converts_to_the_same_logits(hf_model, tmp_path):
     src = write_gguf(hf_model, tmp_path / "tiny.gguf")
     result = convert_cli(src, tmp_path / "meta")
     assert result.returncode == 0, result.stderr
+    # Progress as lines (stderr is not a terminal here), from the callback the command renders.
+    for step in ("reading GGUF tensors", "writing checkpoint"):
+        assert f"llama-convert: {step}: 100% after " in result.stderr, result.stderr
     assert_same_logits(tmp_path / "meta", hf_model)
     # The SentencePiece model rebuilt from the GGUF vocabulary encodes as the original does.
     ours, original = Tokenizer(str(tmp_path / "meta" / "tokenizer.model")), Tokenizer(str(EXAMPLE_TOKENIZER))

@@ -122,3 +122,25 @@ def test_library_code_never_prints():
         if re.search(r"\bprint\(|sys\.std(out|err)\.write", line)
     ]
     assert offenders == []
+
+
+def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
+    import io
+
+    from llama.cli.progress import ProgressPrinter
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    bar = ProgressPrinter(screen, prefix="llama-convert: ")
+    for done in range(5):
+        bar("writing checkpoint", done, 4)
+    bar("next step", 1, 2)
+    text = screen.getvalue()
+    lines = text.split("\n")
+    # One line per step, each redrawn with carriage returns; the finished one ends at 100% with a full bar.
+    assert len(lines) == 2 and lines[0].count("\r") == 5
+    assert lines[0].rsplit("\r", 1)[-1].startswith("llama-convert: writing checkpoint [" + "#" * 30 + "] 100%")
+    assert "next step [" + "#" * 15 + "." * 15 + "]  50%" in lines[1]

@@ -58,6 +58,24 @@ def test_a_loaded_cache_holds_what_was_saved_and_answers_as_a_fresh_run(saved):
     torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(expected[1]), rtol=0, atol=1e-5)
 
 
+def test_a_write_that_fails_leaves_the_old_file_whole_and_no_scratch(saved, monkeypatch):
+    """The file is written beside itself and renamed over the old one: a failure at the last moment (here
+    the rename itself) leaves the old file as it was, and nothing else in the folder."""
+    llama, session, path = saved
+    before = path.read_bytes()
+    llama.generate([session.tokens + [7, 8, 9]], 4, temperature=0, session=session)  # now holds more
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError):
+        save_prompt_cache(path, session, model_identity(llama), "tiny")
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [f.name for f in path.parent.iterdir()] == [path.name]
+    assert _load(llama, path).tokens != session.tokens  # still the old, whole file
+
+
 def test_identity_changes_with_weights_tokenizer_dtype_and_quantization(gqa_ckpt, tmp_path):
     llama = build(gqa_ckpt)
     base = model_identity(llama)
