@@ -6,7 +6,6 @@ length and (without the cache) the prefix length are compiled as symbolic sizes,
 serves every step of every later call with the same batch size.
 """
 
-import contextlib
 import logging
 import os
 import re
@@ -62,20 +61,12 @@ class _ReductionLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-@contextlib.contextmanager
-def _quiet_inductor():
-    """Hold back Inductor's warnings about its own fallbacks while it compiles (complex numbers, and with the
-    C++ wrapper some view ops, go through slower generic calls): its business, not the user's."""
-    logger = logging.getLogger("torch._inductor.ir")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            # The rotary embedding's complex product runs as an eager kernel inside the compiled step.
-            warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-            yield
-    finally:
-        logger.setLevel(level)
+def _quiet_inductor() -> None:
+    """Hold back two of Inductor's messages about its own fallbacks, for the rest of the process: the rotary
+    embedding's complex product, and with the C++ wrapper some view ops, go through slower generic calls.
+    That is its business, not the user's, and it would print them at every compilation."""
+    logging.getLogger("torch._inductor.ir").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
 
 
 def compile_step(model: Transformer) -> Step:
@@ -93,6 +84,7 @@ def compile_step(model: Transformer) -> Step:
         if type(module) is nn.Linear:
             module.__class__ = _ReductionLinear
     compiled = torch.compile(model, fullgraph=True)
+    _quiet_inductor()
     # On the CPU the step's kernels are called from generated C++ rather than Python: measured on a 2-core
     # Xeon (scripts/compare_compiled.py), 6-15% more tokens/s, the most where the step is shortest, for about
     # twice the first compilation (115 against 50 s for int8; the same 11 s once Inductor has it on disk).
@@ -103,7 +95,7 @@ def compile_step(model: Transformer) -> Step:
     def step(tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]], num_logits: Optional[int] = None):
         with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES), \
                 torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), \
-                torch._inductor.config.patch(cpp_wrapper=cpp_wrapper), _quiet_inductor():
+                torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
             return compiled(tokens, start_pos, cache, num_logits=num_logits)
 
     try:
@@ -117,6 +109,7 @@ def compile_step(model: Transformer) -> Step:
             step(tokens[:, 2:], 2, cache, num_logits=1)
     except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = " (or try LLAMA_COMPILE_CPP_WRAPPER=0)" if cpp_wrapper else ""
         raise LlamaError(f"--compile failed: torch.compile could not build the decode step ({reason}); "
-                         "run without --compile") from e
+                         f"run without --compile{hint}") from e
     return step

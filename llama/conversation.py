@@ -121,7 +121,8 @@ class Conversation:
         saved = load_prompt_cache(path, self.identity(), self.llama.model.n_layers)
         restore(self.session, saved)
         messages: List[Message] = saved.dialog or []
-        self.dialog = list(messages) if messages else list(self.start)
-        if messages and messages[0]["role"] == "system":
-            self.start = [messages[0]]  # what /reset returns to: the resumed conversation's system prompt
+        if messages:
+            self.dialog = list(messages)
+            # What /reset returns to: the resumed conversation's own system prompt, or none if it had none.
+            self.start = [messages[0]] if messages[0]["role"] == "system" else []
         return len(messages)

@@ -22,7 +22,7 @@ from llama.parallel import parallelize
 from llama.session import Session
 from llama.progress import Progress
 from llama.quant_format import read_record
-from llama.quantize import check_method, describe, plan_for
+from llama.quantize import check_method, describe, plan_for, slow_path_note
 from llama.tokenizer import Tokenizer
 from llama.weights import choose_dtype, load_weights, open_checkpoint, resolve_plan
 
@@ -159,9 +159,7 @@ class Llama:
         # Refuse before reading gigabytes that cannot fit.
         dtype, notes = choose_dtype(source, args, plan, dtype, dtype_given, device, world_size)
         if plan and device.type == "cpu" and dtype == torch.float32 and not compile:
-            notes.append("quantized layers in float32 run eagerly by widening each weight as it is used, which is "
-                         "exact but slow: --compile runs them fast and exact; --dtype bfloat16 runs torch's int8/int4 "
-                         "kernels, fast, but cached and uncached runs then agree only to bf16 rounding")
+            notes.append(slow_path_note(plan, world_size))
         model = load_weights(model, source, args, plan, rank, world_size, device, dtype,
                              compiled=compile, progress=progress)
         llama = Llama(model, tokenizer, seed=seed)

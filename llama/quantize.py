@@ -70,6 +70,8 @@ def plan_for(model: nn.Module, method: str, group_size: Optional[int] = None) ->
     given, int4 in groups of `group_size` (default 32, GGUF's Q4 block) columns."""
     if method == "int4" and group_size is None:
         group_size = DEFAULT_INT4_GROUP_SIZE
+    if method == "int4" and group_size % 2:
+        raise LlamaError(f"int4 packs columns in pairs within each group; a group of {group_size} columns is odd")
     plan = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and is_linear_weight(f"{name}.weight"):
@@ -98,7 +100,7 @@ class _QuantizedLinear(nn.Module):
         if self._kernel_takes(x):  # eager or compiled (Inductor calls the kernel as it is)
             return self._kernel(x)
         rows = x.shape[:-1].numel()
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= REDUCTION_MAX_ROWS:
+        if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= REDUCTION_MAX_ROWS and self._reduces():
             return self._reduction(x)
         return F.linear(x, self.dequantized(x.dtype))
 
@@ -109,6 +111,10 @@ class _QuantizedLinear(nn.Module):
     def _kernel_takes(self, x: torch.Tensor) -> bool:
         """Whether torch's quantized CPU kernel can multiply `x` by this layer as it is held."""
         return False
+
+    def _reduces(self) -> bool:
+        """Whether the layer is held in the layout its compiled reduction reads."""
+        return True
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
@@ -135,11 +141,11 @@ class Int8Linear(_QuantizedLinear):
             return False
         if kernels_ok(x, _HAS_INT8_KERNEL):
             return True
-        # In float32 the kernel is exact: a plain loop, yet 4x faster than widening the weight (measured on
-        # 7B's 11008 x 4096: 12 against 47 ms a row), so eager decoding takes it; more rows, and compiled
+        # In float32 the kernel is exact: a plain loop, yet 7-9x faster than widening the weight (measured on
+        # 7B's 11008 x 4096: 12.5 against 88 ms a row), so eager decoding takes it; more rows, and compiled
         # steps (which have their reduction), widen the weight or reduce instead.
-        return (kernels_ok(x.new_empty(0, dtype=torch.bfloat16), _HAS_INT8_KERNEL) and x.dtype == torch.float32
-                and x.shape[:-1].numel() <= REDUCTION_MAX_ROWS and not torch.compiler.is_compiling())
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and _HAS_INT8_KERNEL and not _kernels_disabled
+                and not torch.compiler.is_compiling() and x.shape[:-1].numel() <= REDUCTION_MAX_ROWS)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         scales = self.kernel_scales if x.dtype == torch.bfloat16 and self.kernel_scales is not None \
@@ -148,8 +154,11 @@ class Int8Linear(_QuantizedLinear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _load_from_state_dict(self, *args, **kwargs):
+        had_kernel_scales = self.kernel_scales is not None
         super()._load_from_state_dict(*args, **kwargs)
-        self.kernel_scales = None  # made again from the scales loaded, when asked
+        self.kernel_scales = None
+        if had_kernel_scales:  # made again from the scales just loaded
+            self.use_cpu_kernel_layout()
 
     def _reduction(self, x: torch.Tensor) -> torch.Tensor:
         group = self.in_features // self.n_groups
@@ -174,10 +183,6 @@ class Int4Linear(_QuantizedLinear):
         #             points in place of `scales` and `mins`, which are then None (use_cpu_kernel_layout).
         self.layout = "format"
         self.kernel_scales: Optional[torch.Tensor] = None
-
-    @property
-    def kernel_layout(self) -> bool:
-        return self.layout == "kernel"
 
     def use_cpu_kernel_layout(self) -> bool:
         """Re-pack `weight` in place for `aten._weight_int4pack_mm_for_cpu`, if this torch and shape allow.
@@ -278,6 +283,9 @@ class Int4Linear(_QuantizedLinear):
         super()._load_from_state_dict(*args, **kwargs)
         self.layout, self.kernel_scales = "format", None  # what was loaded is quant_format's layout
 
+    def _reduces(self) -> bool:
+        return self.layout == "halves"
+
     def _reduction(self, x: torch.Tensor) -> torch.Tensor:
         # sum_j (q_j * s + m) * x_j over the whole row, each weight dequantized in registers: Inductor writes
         # one loop with one accumulator per row (summing group by group first, s * sum q x + m * sum x, costs
@@ -294,6 +302,19 @@ class Int4Linear(_QuantizedLinear):
         low = (packed & 0x0F).to(x.dtype) * scales + mins  # the dequantized weights of each group's first half
         high = (packed >> 4).to(x.dtype) * scales + mins
         return (low * xg[..., 0, :] + high * xg[..., 1, :]).sum((-1, -2))  # (..., out)
+
+
+def slow_path_note(plan: Plan, world_size: int = 1) -> str:
+    """What to tell the user whose quantized layers will run eagerly in float32 on the CPU, and what is faster."""
+    ways = []
+    if world_size == 1:  # --compile runs in one process
+        ways.append("--compile runs them fast and exact")
+    methods = {m for m, _ in plan.values()}
+    if ("int8" not in methods or _HAS_INT8_KERNEL) and ("int4" not in methods or _HAS_INT4_KERNEL):
+        ways.append("--dtype bfloat16 runs torch's int8/int4 kernels, fast, but cached and uncached runs then agree "
+                    "only to bf16 rounding")
+    advice = f": {'; '.join(ways)}" if ways else ""
+    return f"quantized layers in float32 run eagerly on exact but slow paths{advice}"
 
 
 def kernels_ok(x: torch.Tensor, available: bool = True) -> bool:

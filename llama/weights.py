@@ -84,7 +84,11 @@ def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> Source:
             raise LlamaError(f"{ckpt_dir}: {name}'s scales have shape {tuple(scales.shape)}, which does not group "
                              f"its {shape[1]} input columns")
         per_channel = method == "int8" and n_groups == 1
-        source.stored_plan[name] = (method, None if per_channel else shape[1] // n_groups)
+        group_size = shape[1] // n_groups
+        if method == "int4" and group_size % 2:
+            raise LlamaError(f"{ckpt_dir}: {name} is int4 in groups of {group_size} columns; int4 packs columns in "
+                             "pairs within each group, so the checkpoint is damaged")
+        source.stored_plan[name] = (method, None if per_channel else group_size)
     if source.stored_plan and record is None:
         raise LlamaError(f"{ckpt_dir} holds quantized weights but no {RECORD_NAME}; the checkpoint is incomplete")
     if record is not None and not source.stored_plan:
@@ -181,9 +185,9 @@ def peak_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dtyp
     if plan:
         in_flight = max(in_flight, _QUANTIZE_SCRATCH + largest * stored_itemsize)
     model = model_bytes(full_shapes, plan, dtype, world_size)
-    # Allocator slack and re-packing: measured peaks of 7B and 13B loads ran 0.2-0.5 GiB (2-5% of the
-    # model) past the two terms above (docs/benchmarks.md).
-    return model + in_flight + model // 20
+    # Allocator slack and re-packing: measured peaks of 7B and 13B loads ran up to 0.5 GiB (6% of the model)
+    # past the two terms above (docs/benchmarks.md).
+    return model + in_flight + model // 16 + 256 * 2**20
 
 
 def choose_dtype(source: Optional[Source], args: ModelArgs, plan: Plan, dtype: torch.dtype, explicit: bool,

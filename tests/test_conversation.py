@@ -151,10 +151,19 @@ def test_reset_after_resuming_returns_to_the_saved_system_prompt(llama2_ckpt, tm
     first = Conversation(llama, "Be kind.", max_gen_len=8)
     first.respond(first.prepare(MESSAGES[0]), temperature=0)
     first.save(tmp_path / "chat.kv")
-    resumed = Conversation(llama, max_gen_len=8)  # started without a system prompt of its own
-    assert resumed.resume(tmp_path / "chat.kv") == 3
+    for system in (None, "Be terse."):  # the saved conversation's system prompt wins over a new one
+        resumed = Conversation(llama, system, max_gen_len=8)
+        assert resumed.resume(tmp_path / "chat.kv") == 3
+        resumed.reset()
+        assert resumed.dialog == [{"role": "system", "content": "Be kind."}]
+    # A conversation saved without a system prompt resumes without one, /reset included.
+    plain = Conversation(llama, max_gen_len=8)
+    plain.respond(plain.prepare(MESSAGES[0]), temperature=0)
+    plain.save(tmp_path / "plain.kv")
+    resumed = Conversation(llama, "Be terse.", max_gen_len=8)
+    resumed.resume(tmp_path / "plain.kv")
     resumed.reset()
-    assert resumed.dialog == [{"role": "system", "content": "Be kind."}]
+    assert resumed.dialog == []
 
 
 def chat(ckpt, *args, input: str):

@@ -6,13 +6,16 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
 from llama import quant_format as qf
 from llama.checkpoint import random_state_dict, save_checkpoint
 from llama.errors import LlamaError
-from llama.quantize import Int4Linear, Int8Linear, kernels_ok, quantize_model, quantize_weight, use_kernels
+from llama.quantize import (
+    Int4Linear, Int8Linear, kernels_ok, quantize_model, quantize_weight, slow_path_note, use_kernels,
+)
 
 METHODS = ["int8", "int4"]
 
@@ -104,17 +107,17 @@ def test_bf16_kernels_match_the_float32_model_of_the_same_weights(quantized_bf16
 
 
 def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf16, gqa_ckpt):
-    assert not quantized["int4"].model.layers[0].feed_forward.w1.kernel_layout  # float32 runs keep the format
+    assert quantized["int4"].model.layers[0].feed_forward.w1.layout == "format"  # float32 eager runs keep it
     layer = quantized_bf16["int4"].model.layers[0].feed_forward.w1
-    assert layer.kernel_layout == kernels_ok(torch.zeros(1, dtype=torch.bfloat16),
+    assert (layer.layout == "kernel") == kernels_ok(torch.zeros(1, dtype=torch.bfloat16),
                                              hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
     fresh = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
     fresh.load_state_dict(layer.state_dict(), assign=True)
-    assert not fresh.kernel_layout
+    assert fresh.layout == "format"
     assert torch.equal(fresh.weight, layer.format_weight())
     fresh.use_cpu_kernel_layout()
     assert torch.equal(fresh.weight, layer.weight) and torch.equal(fresh.format_weight(), layer.format_weight())
-    if layer.kernel_layout:  # the kernel's scales replace the format's, which are not held twice
+    if layer.layout == "kernel":  # the kernel's scales replace the format's, which are not held twice
         assert layer.scales is None and layer.mins is None
         exact = build(gqa_ckpt, quantize="int4").model.layers[0].feed_forward.w1  # float32: the format's own
         (scales, mins), want = layer.format_scales(), (exact.scales.float(), exact.mins.float())
@@ -125,9 +128,14 @@ def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf
         assert (zero_error <= 2 ** -8 * (want[1].abs() + 8 * want[0].abs()) + 1e-6).all()
 
 
-def test_every_int4_layout_holds_the_same_values(quantized):
-    """format -> halves -> kernel -> halves -> format: the values, scales and state_dict never change."""
+def test_every_int4_layout_holds_the_same_values(quantized, monkeypatch):
+    """format -> halves -> kernel -> halves -> format: the values, scales and state_dict never change, also
+    when a layer is re-packed a slice of rows at a time."""
+    import llama.quantize as quantize
+
     layer = quantized["int4"].model.layers[0].feed_forward.w1
+    assert layer.out_features == 192
+    monkeypatch.setattr(quantize, "_CHUNK_ELEMENTS", 64 * layer.in_features)  # three slices of 64 rows
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     fresh = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
     fresh.load_state_dict(state, assign=True)
@@ -144,6 +152,33 @@ def test_every_int4_layout_holds_the_same_values(quantized):
         assert fresh.layout == "kernel"
         fresh.use_halves_layout()
         assert torch.equal(qf.unpack_int4(fresh.format_weight()), values)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="--compile needs a C++ compiler")
+def test_a_compiled_int4_layer_in_another_layout_widens_its_weight(quantized):
+    """Only the halves layout has a compiled reduction; a layer held otherwise (the stored format here, or
+    the kernel's with the kernels switched off) computes exactly, by widening, rather than failing."""
+    layer = copy.deepcopy(quantized["int4"].model.layers[0].feed_forward.w1)
+    assert layer.layout == "format"
+    x = torch.randn(1, 1, layer.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = torch.compile(layer, fullgraph=True)(x)
+        torch.testing.assert_close(got, F.linear(x, layer.dequantized()), rtol=0, atol=1e-5)
+
+
+def test_the_slow_path_note_names_only_what_applies(monkeypatch):
+    import llama.quantize as quantize
+
+    plan = {"output.weight": ("int4", 32)}
+    assert "--compile" in slow_path_note(plan) and "--compile" not in slow_path_note(plan, world_size=2)
+    monkeypatch.setattr(quantize, "_HAS_INT4_KERNEL", False)  # a torch without the int4 kernel
+    assert "--dtype bfloat16" not in slow_path_note(plan) and "--dtype bfloat16" in slow_path_note({"x": ("int8", None)})
+    assert slow_path_note(plan, world_size=2) == "quantized layers in float32 run eagerly on exact but slow paths"
+
+
+def test_odd_int4_groups_are_refused_in_one_line(gqa_ckpt):
+    with pytest.raises(LlamaError, match="a group of 5 columns is odd"):
+        quantize_model(build(gqa_ckpt).model, "int4", group_size=5)
 
 
 @pytest.mark.parametrize("method", METHODS)

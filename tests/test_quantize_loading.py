@@ -189,7 +189,7 @@ def test_a_bf16_checkpoint_whose_float32_copy_cannot_fit_runs_in_bf16_with_a_not
     (30, None),  # float32 (about 25 GiB with loading's peak) fits
     (20, ["--dtype bfloat16", "--quantize int8 --dtype bfloat16", "--quantize int4 --dtype bfloat16"]),
     (10, ["--quantize int8 --dtype bfloat16", "--quantize int4 --dtype bfloat16"]),
-    (5, ["--quantize int4 --dtype bfloat16"]),
+    (6, ["--quantize int4 --dtype bfloat16"]),
     (3, []),
 ])
 def test_a_model_too_big_is_refused_naming_what_would_fit(monkeypatch, free_gib, fits):

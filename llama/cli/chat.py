@@ -101,6 +101,8 @@ def main(
             n = chat.resume(Path(session))
             print(f"(resumed {n} messages and {len(chat.session.tokens)} cached tokens from {session})",
                   file=sys.stderr)
+            if system and n and chat.start != [{"role": "system", "content": str(system)}]:
+                print("(the resumed conversation keeps its own system prompt; --system is not used)", file=sys.stderr)
         except PromptCacheError as e:
             print(f"note: {e}; starting a new conversation, which will replace it", file=sys.stderr)
     if main_rank and sys.stdin.isatty():
