@@ -24,7 +24,7 @@ How each layer multiplies, chosen at run time (docs/benchmarks.md has what each 
   float model of the dequantized weights, always available, and slow (it writes a float weight per call).
 """
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -192,9 +192,8 @@ class Int4Linear(_QuantizedLinear):
         if (self.layout == "kernel" or not _HAS_INT4_KERNEL or self.weight.device.type != "cpu"
                 or self.group_size not in _INT4_KERNEL_GROUPS or self.out_features % _INT4_ROW_BLOCK):
             return self.layout == "kernel"
-        rows = _INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * _INT4_ROW_BLOCK))
         packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            self._values(r, r + rows).to(torch.int32), 1) for r in range(0, self.out_features, rows)])
+            self._values(start, end).to(torch.int32), 1) for start, end in self._row_slices()])
         s, m = self.scales.float(), self.mins.float()
         # The kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale.
         self.kernel_scales = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (n_groups, out, 2)
@@ -209,10 +208,9 @@ class Int4Linear(_QuantizedLinear):
         if self.layout == "halves":
             return
         half = self.group_size // 2
-        rows = _INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * _INT4_ROW_BLOCK))
         pieces = []
-        for r in range(0, self.out_features, rows):
-            q = self._values(r, r + rows)
+        for start, end in self._row_slices():
+            q = self._values(start, end)
             q = q.reshape(q.shape[0], self.n_groups, 2, half)  # (rows, n_groups, 2 halves, group / 2)
             pieces.append((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], self.in_features // 2))
         self.weight = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
@@ -220,6 +218,12 @@ class Int4Linear(_QuantizedLinear):
             self.scales, self.mins = self.format_scales()
             self.kernel_scales = None
         self.layout = "halves"
+
+    def _row_slices(self) -> List[Tuple[int, int]]:
+        """Row ranges of about _CHUNK_ELEMENTS values each, on the kernel's row blocks: re-packing a slice at a
+        time keeps its scratch small."""
+        rows = _INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * _INT4_ROW_BLOCK))
+        return [(start, start + rows) for start in range(0, self.out_features, rows)]
 
     def _values(self, start: int = 0, end: Optional[int] = None) -> torch.Tensor:
         """Rows start..end of the (out, in) values 0..15, in column order, whichever layout the layer holds."""

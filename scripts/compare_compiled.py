@@ -10,12 +10,11 @@ alternately with and without the environment variable to see what the C++ wrappe
 
 import os
 import statistics
-import time
 
 import fire
 import torch
 
-from compare_transformers import PROMPT, decode_rate
+from compare_transformers import PROMPT, ours_once
 
 KINDS = [("float32", None), ("float32", "int8"), ("float32", "int4"), ("bfloat16", "int8"), ("bfloat16", "int4")]
 
@@ -29,18 +28,12 @@ def main(new_tokens: int = 128, repeats: int = 3, threads: int = 2):
                                 dtype=kind[0], quantize=kind[1], compile=True) for kind in KINDS}
     prompt_ids = next(iter(models.values())).tokenizer.encode(PROMPT, bos=True, eos=False)
 
-    def once(llama, n):
-        stamps = []
-        llama.generate([prompt_ids], n, temperature=0, ignore_stop=True,
-                       on_step=lambda pos, tok: stamps.append(time.perf_counter()))
-        return decode_rate(stamps)
-
     for llama in models.values():
-        once(llama, 8)
+        ours_once(llama, prompt_ids, 8)
     rates = {kind: [] for kind in KINDS}
     for _ in range(repeats):
         for kind, llama in models.items():
-            rates[kind].append(once(llama, new_tokens))
+            rates[kind].append(ours_once(llama, prompt_ids, new_tokens)[0])
     wrapper = os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0"
     print(f"torch {torch.__version__}, {threads} threads, batch 1, {new_tokens} new tokens, median of {repeats} "
           f"interleaved runs, Inductor's C++ wrapper {'on' if wrapper else 'off'}")

@@ -21,13 +21,12 @@ which would change how ours compiles too.
 """
 
 import statistics
-import time
 
 import fire
 import torch
 from torch import nn
 
-from compare_transformers import PROMPT, decode_rate
+from compare_transformers import PROMPT, ours_once
 
 
 class _AsTorchaoMadeIt(nn.Linear):
@@ -83,17 +82,11 @@ def main(new_tokens: int = 128, repeats: int = 3, threads: int = 2, compiled: st
             print(f"{who} {method} {'--compile' if compile else 'eager'}: failed: {reason}")
     prompt_ids = next(iter(models.values())).tokenizer.encode(PROMPT, bos=True, eos=False)
 
-    def once(llama, n):
-        stamps = []
-        (tokens,), _ = llama.generate([prompt_ids], n, temperature=0, ignore_stop=True,
-                                      on_step=lambda pos, tok: stamps.append(time.perf_counter()))
-        return decode_rate(stamps), tokens
-
-    first = {kind: once(llama, 32)[1] for kind, llama in models.items()}
+    first = {kind: ours_once(llama, prompt_ids, 32)[1] for kind, llama in models.items()}
     rates = {kind: [] for kind in models}
     for _ in range(repeats):
         for kind, llama in models.items():
-            rates[kind].append(once(llama, new_tokens)[0])
+            rates[kind].append(ours_once(llama, prompt_ids, new_tokens)[0])
     print(f"torch {torch.__version__}, torchao {torchao.__version__}, {threads} threads, batch 1, bf16, "
           f"{new_tokens} new tokens, median of {repeats} interleaved runs")
     for (who, method, compile), r in rates.items():

@@ -5,12 +5,13 @@
 
 All load the default model (SmolLM2-135M-Instruct, from the same GGUF) on the CPU and decode greedily at
 batch 1 from the same prompt token ids, each with its KV cache, ignoring stop tokens. Ours runs in float32
-eagerly (the default) and with --compile (compiled before any timing); with --quantize int8 / int4 in float32
-compiled (exact) and in bf16 eager and compiled (torch's int8/int4 kernels), unless --noquantized. transformers runs in float32. llama.cpp is optional:
-the `llama_cpp` module of llama-cpp-python built from source (`pip install --no-binary llama-cpp-python
-llama-cpp-python`), left out with a note when it is not installed. It runs a GGUF of each --lcpp_types,
-made once into --gguf_dir by llama.cpp's own quantizer from the shipped Q4_1 file: F32 holds exactly the
-dequantized values ours loads, and Q8_0 / Q4_0 are quantized from them, every tensor in that type (pure).
+eagerly (the default) and with --compile (compiled before any timing); with --quantize int8 / int4 in
+float32 compiled (exact) and in bf16 eager and compiled (torch's int8/int4 kernels), unless --noquantized.
+transformers runs in float32. llama.cpp is optional: the `llama_cpp` module of llama-cpp-python built from
+source (`pip install --no-binary llama-cpp-python llama-cpp-python`), left out with a note when it is not
+installed. It runs a GGUF of each --lcpp_types, made once into --gguf_dir by llama.cpp's own quantizer from
+the shipped Q4_1 file: F32 holds exactly the dequantized values ours loads, and Q8_0 / Q4_0 are quantized
+from them, every tensor in that type (pure).
 
 Runs alternate (ours, ours compiled, ..., transformers, llama.cpp F32, ..., ours, ...) so that drift in the
 machine's speed hits all alike; each figure is the median of --repeats runs. Decode tokens/s counts the
