@@ -6,7 +6,6 @@ A checkpoint directory holds:
     tokenizer.model        optional here; Meta ships it one directory up
 """
 
-import itertools
 import json
 import math
 import os
@@ -14,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -29,17 +28,6 @@ from llama.tensor_file import TensorFileWriter, TensorSpec
 # Meta's checkpoints carry the rotary frequencies as a tensor; the model recomputes them, so it is dropped.
 IGNORED_KEYS = ("rope.freqs",)
 TOKENIZER_NAMES = ("tokenizer.model", "tokenizer.json")
-
-# The params.json of Meta's LLaMA-2 releases (vocab_size -1: 32,000 from the tokenizer), and a tiny shape
-# with grouped-query attention for tests and demos.
-PRESETS = {
-    "7B": {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1},
-    "13B": {"dim": 5120, "multiple_of": 256, "n_heads": 40, "n_layers": 40, "norm_eps": 1e-05, "vocab_size": -1},
-    "70B": {"dim": 8192, "multiple_of": 4096, "ffn_dim_multiplier": 1.3, "n_heads": 64, "n_kv_heads": 8,
-            "n_layers": 80, "norm_eps": 1e-05, "vocab_size": -1},
-    "tiny": {"dim": 64, "multiple_of": 32, "n_heads": 8, "n_kv_heads": 2, "n_layers": 2, "norm_eps": 1e-05,
-             "vocab_size": -1},
-}
 
 _RUN_FIELDS = ("max_batch_size", "max_seq_len")
 _PARAM_TYPES = {f.name: f.type for f in fields(ModelArgs) if f.name not in _RUN_FIELDS}
@@ -174,7 +162,7 @@ def load_checkpoint(ckpt_dir: Path, args: ModelArgs, rank: int = 0, world_size: 
     full_shapes = expected_shapes(args)
     if len(paths) == world_size:
         local = _without_ignored(load_shard(paths[rank]))
-        check_state_dict(local, _local_shapes(full_shapes, world_size), str(paths[rank]))
+        check_state_dict(local, local_shapes(full_shapes, world_size), str(paths[rank]))
         return local
     shards = [_without_ignored(load_shard(p)) for p in paths]
     for path, shard in zip(paths[1:], shards[1:]):
@@ -194,7 +182,7 @@ def _without_ignored(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Ten
     return state_dict
 
 
-def _local_shapes(full_shapes: Dict[str, torch.Size], world_size: int) -> Dict[str, torch.Size]:
+def local_shapes(full_shapes: Dict[str, torch.Size], world_size: int) -> Dict[str, torch.Size]:
     local = {}
     for name, shape in full_shapes.items():
         dim, shape = split_dim(name), list(shape)
@@ -281,7 +269,7 @@ def save_checkpoint(ckpt_dir: Path, params: Dict, state_dict: Dict[str, torch.Te
     Raises:
         LlamaError: the destination exists, the weights do not split into `num_shards`, or a write failed.
     """
-    _check_splits({k: v.shape for k, v in state_dict.items()}, num_shards)
+    check_splits({k: v.shape for k, v in state_dict.items()}, num_shards)
     record = quant_format.record_for(state_dict, quantization_source)
     extra_files = dict(extra_files or {}, **({quant_format.RECORD_NAME: record} if record else {}))
     shards = shard_state_dict(state_dict, num_shards)
@@ -336,7 +324,7 @@ def write_checkpoint_files(ckpt_dir: Path, params: Dict, shard_specs: List[Dict[
     return Path(ckpt_dir)
 
 
-def _check_splits(shapes: Dict[str, torch.Size], num_shards: int) -> None:
+def check_splits(shapes: Dict[str, torch.Size], num_shards: int) -> None:
     if num_shards < 1:
         raise LlamaError(f"the number of shards must be at least 1, not {num_shards}")
     for name, shape in shapes.items():
@@ -346,69 +334,7 @@ def _check_splits(shapes: Dict[str, torch.Size], num_shards: int) -> None:
                              "choose a number of shards that divides it")
 
 
-def random_state_dict(args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
-                      std: float = 0.02) -> Dict[str, torch.Tensor]:
-    """Weights of the given shape, drawn like a freshly initialised LLaMA (normal, std 0.02; norms at 1).
-
-    Tests of tiny models pass a larger `std`: it makes the next-token distribution peaked, so greedy
-    decoding is not decided by near-ties.
-    """
-    return {name: tensor.to(dtype) for name, tensor in _random_tensors(args, seed, std)}
-
-
-def _random_tensors(args: ModelArgs, seed: int, std: float) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(name, float32 tensor) for each weight, drawn one at a time from one generator."""
-    generator = torch.Generator().manual_seed(seed)
-    for name, shape in expected_shapes(args).items():
-        if name.endswith("norm.weight"):
-            yield name, torch.ones(shape)
-        else:
-            yield name, torch.empty(shape).normal_(0.0, std, generator=generator)
-
-
 def params_dict(args: ModelArgs) -> Dict:
     """The params.json fields of `args`, leaving out the optional ones that are unset."""
     params = {name: getattr(args, name) for name in _PARAM_TYPES}
     return {k: v for k, v in params.items() if not (v is None and k in ("ffn_dim_multiplier", "hidden_dim"))}
-
-
-def write_random_checkpoint(ckpt_dir: Path, args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
-                            tokenizer_path: Optional[Path] = None, num_shards: int = 1,
-                            overwrite: bool = False, std: float = 0.02) -> Tuple[Path, Dict[str, torch.Tensor]]:
-    """Write a random-weight checkpoint of shape `args` in Meta's layout; returns its path and weights.
-
-    The weights are read back from the files (memory-mapped when there is one shard); for models too big
-    to hold, call `write_random_weights`.
-    """
-    path = write_random_weights(ckpt_dir, args, seed, dtype, tokenizer_path, num_shards, overwrite, std)
-    return path, load_checkpoint(path, args)
-
-
-def write_random_weights(ckpt_dir: Path, args: ModelArgs, seed: int = 0, dtype: torch.dtype = torch.float32,
-                         tokenizer_path: Optional[Path] = None, num_shards: int = 1, overwrite: bool = False,
-                         std: float = 0.02, progress: Optional[Progress] = None) -> Path:
-    """Write a random-weight checkpoint of shape `args` in Meta's layout, one tensor at a time.
-
-    Memory stays at about one float32 tensor (the largest is the embedding: 0.5 GB for 7B), whatever the
-    model's size. The weights are those of `random_state_dict(args, seed, dtype, std)`.
-
-    Raises:
-        LlamaError: the destination exists, the weights do not split into `num_shards`, or a write failed.
-    """
-    shapes = expected_shapes(args)
-    # Meta's own files carry the rotary frequencies too; writing them keeps these files exactly like theirs.
-    shapes["rope.freqs"] = torch.Size((args.head_dim // 2,))
-    _check_splits(shapes, num_shards)
-    specs = [{name: (shape, dtype) for name, shape in _local_shapes(shapes, num_shards).items()}] * num_shards
-    total = sum(shape.numel() for shape in shapes.values())
-
-    def fill(writers: List[TensorFileWriter]) -> None:
-        done = 0
-        rope = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))
-        for name, tensor in itertools.chain(_random_tensors(args, seed, std), [("rope.freqs", rope)]):
-            for writer, piece in zip(writers, shard_state_dict({name: tensor.to(dtype)}, num_shards)):
-                writer.write(name, piece[name])
-            done += tensor.numel()
-            or_silent(progress)("writing random weights", done, total)
-
-    return write_checkpoint_files(ckpt_dir, params_dict(args), specs, fill, tokenizer_path, overwrite)

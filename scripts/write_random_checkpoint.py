@@ -15,7 +15,8 @@ from typing import Optional
 
 import fire
 
-from llama.checkpoint import PRESETS, expected_shapes, model_args, write_random_weights
+from llama.checkpoint import expected_shapes, model_args
+from llama.random_weights import PRESETS, write_random_weights
 from llama.cli.progress import ProgressPrinter
 from llama.distributed import resolve_dtype
 from llama.errors import LlamaError

@@ -15,7 +15,8 @@ from typing import Optional
 import fire
 import numpy as np
 
-from llama.checkpoint import PRESETS, model_args
+from llama.checkpoint import model_args
+from llama.random_weights import PRESETS
 from llama.cli.progress import ProgressPrinter
 from llama.errors import LlamaError
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.checkpoint import write_random_checkpoint
+from llama.random_weights import write_random_checkpoint
 from llama.model import ModelArgs
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
-from llama.checkpoint import write_random_checkpoint
+from llama.random_weights import write_random_checkpoint
 from llama.distributed import resolve_device, resolve_dtype
 from llama.errors import LlamaError
 

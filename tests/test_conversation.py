@@ -13,7 +13,7 @@ import pytest
 
 from conftest import TEST_STD, tiny_args
 from llama import Llama
-from llama.checkpoint import write_random_checkpoint
+from llama.random_weights import write_random_checkpoint
 from llama.convert.llama2_vocab import TOKENIZER_MODEL, fetch_llama2_vocab
 from llama.conversation import Conversation
 from llama.errors import LlamaError

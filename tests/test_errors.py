@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import build, write_tiny
-from llama.checkpoint import PRESETS
+from llama.random_weights import PRESETS
 from llama.errors import LlamaError
 from test_cli import BIN, assert_one_line_error, generate
 

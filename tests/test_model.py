@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import tiny_args
-from llama.checkpoint import PRESETS, model_args, random_state_dict
+from llama.checkpoint import model_args
+from llama.random_weights import PRESETS, random_state_dict
 from llama.kv_cache import KVCache
 from llama.model import Transformer, apply_rotary_emb, rope_cis
 from reference import reference_logits

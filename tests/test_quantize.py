@@ -11,7 +11,8 @@ from torch import nn
 
 from conftest import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
 from llama import quant_format as qf
-from llama.checkpoint import random_state_dict, save_checkpoint
+from llama.checkpoint import save_checkpoint
+from llama.random_weights import random_state_dict
 from llama.errors import LlamaError
 from llama.quantize import (
     Int4Linear, Int8Linear, kernels_ok, quantize_model, quantize_weight, slow_path_note, use_kernels,

@@ -11,7 +11,8 @@ import torch
 
 from conftest import EXAMPLE_TOKENIZER, build, write_tiny
 from llama import quant_format as qf
-from llama.checkpoint import save_checkpoint, write_random_checkpoint
+from llama.checkpoint import save_checkpoint
+from llama.random_weights import write_random_checkpoint
 from llama.model import ModelArgs
 
 BIN = Path(sys.executable).parent

@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from llama.checkpoint import load_checkpoint, random_state_dict, write_random_weights
+from llama.checkpoint import load_checkpoint
+from llama.random_weights import random_state_dict, write_random_weights
 from llama.tensor_file import TensorFileWriter
 
 from conftest import EXAMPLE_TOKENIZER, REPO, tiny_args
