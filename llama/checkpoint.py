@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from dataclasses import fields
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -22,7 +22,7 @@ from llama.errors import LlamaError
 from llama.files import read_json_object
 from llama.model import ModelArgs, Transformer
 from llama.progress import Progress, or_silent
-from llama.sharding import merge_shards, shard_for_rank, shard_state_dict, split_dim
+from llama.sharding import shard_state_dict, split_dim
 from llama.tensor_file import TensorFileWriter, TensorSpec
 
 # Meta's checkpoints carry the rotary frequencies as a tensor; the model recomputes them, so it is dropped.
@@ -132,14 +132,19 @@ def load_shard(path: Path) -> Dict[str, torch.Tensor]:
     return state_dict
 
 
+def check_names(names: Iterable[str], expected: Iterable[str], source: str) -> None:
+    """Raise naming the first tensor that is missing or unexpected (and how many more there are)."""
+    names, expected = list(names), list(expected)
+    for what, extra in (("is missing", [k for k in expected if k not in set(names)]),
+                        ("has unexpected", [k for k in names if k not in set(expected)])):
+        if extra:
+            more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+            raise LlamaError(f"{source} {what} tensor {extra[0]}{more}")
+
+
 def check_state_dict(state_dict: Dict[str, torch.Tensor], expected: Dict[str, torch.Size], source: str) -> None:
     """Raise naming the first tensor that is missing, unexpected, or of the wrong shape."""
-    missing = [k for k in expected if k not in state_dict]
-    if missing:
-        raise LlamaError(f"{source} is missing tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    unexpected = [k for k in state_dict if k not in expected]
-    if unexpected:
-        raise LlamaError(f"{source} has unexpected tensor {unexpected[0]}" + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""))
+    check_names(state_dict, expected, source)
     for name, shape in expected.items():
         if state_dict[name].shape != shape:
             raise LlamaError(
@@ -152,28 +157,123 @@ def expected_shapes(args: ModelArgs) -> Dict[str, torch.Size]:
         return {k: v.shape for k, v in Transformer(args).state_dict().items()}
 
 
-def load_checkpoint(ckpt_dir: Path, args: ModelArgs, rank: int = 0, world_size: int = 1) -> Dict[str, torch.Tensor]:
-    """This rank's weights, checked against `args`.
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-    A checkpoint of as many shards as ranks is read one shard per rank, as Meta's reference does; any other
-    count is merged into the whole model and re-split, so N shards load on M processes (1 included).
+
+class CheckpointReader:
+    """A checkpoint's weight files, opened memory-mapped and checked once; each rank's tensors on demand.
+
+    Every reader of Meta's layout goes through this: loading a model, converting or quantizing a
+    checkpoint, `load_checkpoint`. Opening reads no weight: pages are read as tensors are touched.
+
+    Attributes:
+        ckpt_dir: the directory.
+        paths: consolidated.00.pth .. consolidated.NN.pth.
+        shards: each file's tensors (memory-mapped), without the keys the model ignores.
+        record: quantization.json's contents, or None for a float checkpoint.
+        stored_plan: weight name -> (method, group size or None) for the weights the files hold quantized.
     """
-    paths = shard_paths(ckpt_dir)
-    full_shapes = expected_shapes(args)
-    if len(paths) == world_size:
-        local = _without_ignored(load_shard(paths[rank]))
-        check_state_dict(local, local_shapes(full_shapes, world_size), str(paths[rank]))
-        return local
-    shards = [_without_ignored(load_shard(p)) for p in paths]
-    for path, shard in zip(paths[1:], shards[1:]):
-        if set(shard) != set(shards[0]):
-            raise LlamaError(f"{path} does not hold the same tensor names as {paths[0]}")
-    try:
-        state_dict = merge_shards(shards)
-    except RuntimeError as e:
-        raise LlamaError(f"the {len(paths)} shards in {ckpt_dir} do not fit together ({e})") from None
-    check_state_dict(state_dict, full_shapes, str(ckpt_dir))
-    return shard_for_rank(state_dict, rank, world_size) if world_size > 1 else state_dict
+
+    def __init__(self, ckpt_dir: Path):
+        """Open `ckpt_dir`'s shards. Raises LlamaError for a missing, misnamed, unreadable or mismatched shard."""
+        self.ckpt_dir = Path(ckpt_dir)
+        self.paths = shard_paths(self.ckpt_dir)
+        self.shards = [_without_ignored(load_shard(path)) for path in self.paths]
+        for path, shard in zip(self.paths[1:], self.shards[1:]):
+            if set(shard) != set(self.shards[0]):
+                raise LlamaError(f"{path} does not hold the same tensor names as {self.paths[0]}")
+        self.record = quant_format.read_record(self.ckpt_dir)
+        self.stored_plan: quant_format.Plan = {}
+
+    @property
+    def names(self) -> List[str]:
+        return list(self.shards[0])
+
+    @property
+    def float_dtype(self) -> Optional[torch.dtype]:
+        """The dtype of the checkpoint's float tensors (the first one found)."""
+        return next((t.dtype for t in self.shards[0].values() if t.dtype in _FLOAT_DTYPES), None)
+
+    def check(self, args: ModelArgs) -> Dict[str, torch.Size]:
+        """Check every tensor against the model `args` describes; returns the whole model's stored shapes.
+
+        Learns which weights are stored quantized (`stored_plan`) on the way: their shapes are those of
+        llama/quant_format.py's layout.
+
+        Raises:
+            LlamaError: a tensor is missing, unexpected or of the wrong shape, or the quantization record
+                and the tensors disagree.
+        """
+        full = expected_shapes(args)
+        self.stored_plan = self._learn_stored_plan(full)
+        stored = quant_format.quantized_shapes(full, {n: (m, g or full[n][1]) for n, (m, g) in self.stored_plan.items()})
+        check_names(self.shards[0], stored, str(self.ckpt_dir))
+        n = len(self.shards)
+        for name, shape in stored.items():
+            pieces = [s[name].shape for s in self.shards]
+            dim = split_dim(name)
+            if dim is None or n == 1:
+                merged, fits = pieces[0], all(p == pieces[0] for p in pieces)
+            else:
+                merged = list(pieces[0])
+                merged[dim] = sum(p[dim] for p in pieces)
+                merged = torch.Size(merged)
+                fits = all(len(p) == len(shape) and all(p[d] == pieces[0][d] for d in range(len(p)) if d != dim)
+                           for p in pieces)
+            if not fits or merged != shape:
+                where = self.paths[0] if n == 1 else self.ckpt_dir
+                got = tuple(pieces[0]) if n == 1 else f"{tuple(merged)} (joined from {n} shards)"
+                raise LlamaError(f"{where}: tensor {name} has shape {got}, params.json implies {tuple(shape)}")
+        return stored
+
+    def _learn_stored_plan(self, full: Dict[str, torch.Size]) -> quant_format.Plan:
+        first, plan = self.shards[0], {}
+        for name, shape in full.items():
+            method = quant_format.method_of(first, name) if quant_format.is_linear_weight(name) else None
+            if method is None:
+                continue
+            scales = first[name.removesuffix(".weight") + ".scales"]
+            n_groups = scales.shape[-1] * (len(self.shards) if split_dim(name) == 1 else 1)
+            if scales.ndim != 2 or n_groups == 0 or shape[1] % n_groups:
+                raise LlamaError(f"{self.ckpt_dir}: {name}'s scales have shape {tuple(scales.shape)}, which does not "
+                                 f"group its {shape[1]} input columns")
+            group_size = shape[1] // n_groups
+            if method == "int4" and group_size % 2:
+                raise LlamaError(f"{self.ckpt_dir}: {name} is int4 in groups of {group_size} columns; int4 packs "
+                                 "columns in pairs within each group, so the checkpoint is damaged")
+            plan[name] = (method, None if method == "int8" and n_groups == 1 else group_size)
+        if plan and self.record is None:
+            raise LlamaError(f"{self.ckpt_dir} holds quantized weights but no {quant_format.RECORD_NAME}; "
+                             "the checkpoint is incomplete")
+        if self.record is not None and not plan:
+            raise LlamaError(f"{self.ckpt_dir} has {quant_format.RECORD_NAME} but its weights are not quantized; "
+                             "the checkpoint is damaged")
+        return plan
+
+    def tensors(self, rank: int = 0, world_size: int = 1) -> Iterator[Tuple[str, torch.Tensor, List[torch.Tensor]]]:
+        """(name, this rank's slice, the file tensors it came from) for every tensor, in file order.
+
+        A checkpoint of as many shards as ranks gives each rank its own shard's tensors, as Meta's reference
+        reads them; any other count joins each tensor from its pieces and takes the rank's slice, so N shards
+        load on M processes (1 included). Call `check` first.
+        """
+        n = len(self.shards)
+        for name in self.names:
+            pieces = [shard[name] for shard in self.shards]
+            dim = split_dim(name)
+            if n == world_size:
+                local = pieces[rank]
+            else:
+                whole = pieces[0] if dim is None or n == 1 else torch.cat(pieces, dim=dim)
+                local = whole if dim is None or world_size == 1 else torch.chunk(whole, world_size, dim=dim)[rank]
+            yield name, local, pieces
+
+
+def load_checkpoint(ckpt_dir: Path, args: ModelArgs, rank: int = 0, world_size: int = 1) -> Dict[str, torch.Tensor]:
+    """This rank's weights, checked against `args`, as they are stored (memory-mapped; see CheckpointReader)."""
+    reader = CheckpointReader(ckpt_dir)
+    reader.check(args)
+    return {name: local for name, local, _ in reader.tensors(rank, world_size)}
 
 
 def _without_ignored(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -183,6 +283,7 @@ def _without_ignored(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Ten
 
 
 def local_shapes(full_shapes: Dict[str, torch.Size], world_size: int) -> Dict[str, torch.Size]:
+    """The shape of each rank's slice of every tensor, for `world_size` ranks."""
     local = {}
     for name, shape in full_shapes.items():
         dim, shape = split_dim(name), list(shape)
@@ -192,17 +293,25 @@ def local_shapes(full_shapes: Dict[str, torch.Size], world_size: int) -> Dict[st
     return local
 
 
+def tokenizer_beside(ckpt_dir: Path) -> Optional[Path]:
+    """The tokenizer file of a checkpoint, inside it or one level up as Meta's downloads place it; or None."""
+    return next((p for p in _tokenizer_candidates(ckpt_dir) if p.is_file()), None)
+
+
 def find_tokenizer(ckpt_dir: Path) -> Path:
-    """The tokenizer file for a checkpoint: inside it, or one level up as Meta's downloads place it."""
+    """`tokenizer_beside(ckpt_dir)`, or a LlamaError saying where it looked."""
+    path = tokenizer_beside(ckpt_dir)
+    if path is None:
+        raise LlamaError(
+            f"no tokenizer found for {ckpt_dir} (looked for {', '.join(str(p) for p in _tokenizer_candidates(ckpt_dir))}); "
+            "pass its path with tokenizer_path="
+        )
+    return path
+
+
+def _tokenizer_candidates(ckpt_dir: Path) -> List[Path]:
     ckpt_dir = Path(ckpt_dir)
-    candidates = [d / name for d in (ckpt_dir, ckpt_dir.parent) for name in TOKENIZER_NAMES]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise LlamaError(
-        f"no tokenizer found for {ckpt_dir} (looked for {', '.join(str(p) for p in candidates)}); "
-        "pass its path with tokenizer_path"
-    )
+    return [d / name for d in (ckpt_dir, ckpt_dir.parent) for name in TOKENIZER_NAMES]
 
 
 def check_dest(dest: Path, overwrite: bool) -> None:
@@ -212,7 +321,7 @@ def check_dest(dest: Path, overwrite: bool) -> None:
     """
     dest = Path(dest)
     if dest.exists() and not overwrite and (not dest.is_dir() or any(dest.iterdir())):
-        raise LlamaError(f"{dest} already exists and is not empty; choose a new directory or pass --overwrite")
+        raise LlamaError(f"{dest} already exists and is not empty; choose a new directory or pass overwrite=True")
 
 
 def _write_dir_atomically(dest: Path, write, overwrite: bool) -> None:

@@ -13,11 +13,10 @@ import warnings
 from typing import Callable, List, Optional
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from llama.errors import LlamaError
 from llama.kv_cache import KVCache
+from llama.linears import choose_layer_classes
 from llama.model import Transformer
 
 Step = Callable[[torch.Tensor, int, Optional[List[KVCache]], Optional[int]], torch.Tensor]
@@ -37,30 +36,6 @@ _DYNAMIC_SOURCES = ",".join([
 _RECOMPILE_LIMIT = 64
 
 
-# Up to this many rows (batch x tokens fed), a compiled CPU step computes linear layers as a reduction.
-# Measured on a 2-core EPYC for 1536 x 576 and 576 x 1536 weights: the reduction wins at 1, 2 and 4
-# rows (1.2-2.7x faster than MKL) and loses at 16.
-REDUCTION_MAX_ROWS = 4
-
-
-class _ReductionLinear(nn.Linear):
-    """nn.Linear whose few-row products, when Inductor compiles them on the CPU, are a multiply and a sum.
-
-    Decoding a token multiplies one row per sequence by every weight matrix: the work is reading the
-    weights. Inductor turns `(x * weight).sum(-1)` into one vectorized loop of dot products over the
-    contiguous rows of `weight`, reading it at close to memory bandwidth (measured here at one row:
-    21-30 GB/s, against 10-18 GB/s for the MKL product that Inductor would otherwise call). Run eagerly,
-    or with more rows, it is nn.Linear.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[:-1].numel()
-        if torch.compiler.is_compiling() and x.device.type == "cpu" and rows <= REDUCTION_MAX_ROWS:
-            out = (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, in) * (out, in), summed over in
-            return out if self.bias is None else out + self.bias
-        return F.linear(x, self.weight, self.bias)
-
-
 def _quiet_inductor() -> None:
     """Hold back Inductor's messages about its own choices, for the rest of the process: the rotary
     embedding's complex product, and with the C++ wrapper some view ops, go through slower generic calls.
@@ -74,24 +49,22 @@ def _quiet_inductor() -> None:
 def compile_step(model: Transformer) -> Step:
     """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
 
-    The model's linear layers become `_ReductionLinear` in place (same weights, same state_dict, the same
-    eager behaviour). Their weights should be stored as they load (row-major): the reduction reads each
-    row contiguously. The one-token step at batch 1 is compiled here, before returning; other batch sizes,
+    The model's linear layers become the compiled step's classes in place (llama/linears.py: the same
+    weights, the same state_dict, exact eager behaviour). Float weights should be stored as they load
+    (row-major): the reduction reads each row contiguously. The one-token step at batch 1 is compiled here, before returning; other batch sizes,
     and the uncached step, compile at their first call.
 
     Raises:
         LlamaError: torch.compile could not build the step (on the CPU it needs a C++ compiler).
     """
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = _ReductionLinear
+    choose_layer_classes(model, compiled=True)
     compiled = torch.compile(model, fullgraph=True)
     _quiet_inductor()
     # On the CPU the step's kernels are called from generated C++ rather than Python: measured on a 2-core
     # Xeon (scripts/compare_compiled.py), 6-15% more tokens/s, the most where the step is shortest, for about
     # twice the first compilation (115 against 50 s for int8; the same 11 s once Inductor has it on disk).
     # LLAMA_COMPILE_CPP_WRAPPER=0 turns it off, to measure the difference or to work around a torch bug.
-    cpp_wrapper = (model.tok_embeddings.weight.device.type == "cpu"
+    cpp_wrapper = (model.device.type == "cpu"
                    and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
 
     def step(tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]], num_logits: Optional[int] = None):
@@ -103,7 +76,7 @@ def compile_step(model: Transformer) -> Step:
     try:
         # Under inference mode, as generate() runs: tensors made outside it would not match the guards.
         with torch.inference_mode():
-            tokens = torch.zeros((1, 3), dtype=torch.long, device=model.tok_embeddings.weight.device)
+            tokens = torch.zeros((1, 3), dtype=torch.long, device=model.device)
             # Sizes and positions of 0 or 1 would be compiled as constants, and a step that fills the cache
             # exactly as a special case; generate() never fills its cache (the last token is not fed).
             cache = model.new_kv_cache(1, 4)
@@ -112,6 +85,6 @@ def compile_step(model: Transformer) -> Step:
     except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = " (or try LLAMA_COMPILE_CPP_WRAPPER=0)" if cpp_wrapper else ""
-        raise LlamaError(f"--compile failed: torch.compile could not build the decode step ({reason}); "
-                         f"run without --compile{hint}") from e
+        raise LlamaError(f"compile=True failed: torch.compile could not build the decode step ({reason}); "
+                         f"run without compile=True{hint}") from e
     return step

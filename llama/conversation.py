@@ -82,7 +82,7 @@ class Conversation:
         room = max_seq_len - len(prompt)
         if room < 1:
             raise LlamaError(f"this message makes a prompt of {len(prompt)} tokens even without earlier turns, "
-                             f"which fills --max-seq-len {max_seq_len}; send a shorter one")
+                             f"which fills max_seq_len={max_seq_len}; send a shorter one")
         return Turn(candidate, prompt, dropped, min(self.max_gen_len, room))
 
     def respond(self, turn: Turn, temperature: float = 0.6, top_p: float = 0.9,

@@ -6,17 +6,20 @@ cache only saves the work of recomputing keys and values of positions already se
 """
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple, TypedDict, Union
+from typing import Callable, List, Optional, Set, Tuple, TypedDict, Union
 
 import torch
 import torch.nn.functional as F
 
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
-from llama.checkpoint import find_tokenizer, model_args, read_params
-from llama.compile import compile_step
-from llama.distributed import check_fits, init_distributed, local_device, resolve_device, resolve_dtype
+from llama.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
+from llama.compile import Step, compile_step
+from llama.devices import check_fits, local_device, resolve_device, resolve_dtype
+from llama.distributed import init_distributed
 from llama.errors import LlamaError
+from llama.kv_cache import KVCache
 from llama.model import Transformer
 from llama.parallel import parallelize
 from llama.session import Session
@@ -24,7 +27,7 @@ from llama.progress import Progress
 from llama.quant_format import read_record
 from llama.quantize import check_method, describe, plan_for, slow_path_note
 from llama.tokenizer import Tokenizer
-from llama.weights import choose_dtype, load_weights, open_checkpoint, resolve_plan
+from llama.weights import choose_dtype, load_weights, resolve_plan
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -85,6 +88,43 @@ def check_sampling(temperature: float, top_p: float, max_gen_len: int) -> None:
         raise LlamaError(f"max_gen_len must be 0 or more, not {max_gen_len}")
 
 
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(bsz, n) log-probabilities of `targets` under (bsz, n, vocab) logits."""
+    return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+
+def _trim(prompt_tokens: List[List[int]], tokens: torch.Tensor, token_logprobs: Optional[torch.Tensor], filled: int,
+          max_gen_len: int, echo: bool, stop_set: Set[int]) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
+    """Each row's returned tokens (and logprobs): up to its first generated stop token, with or without its prompt."""
+    out_tokens, out_logprobs = [], []
+    for i, t in enumerate(prompt_tokens):
+        # Every row is past its prompt by the time `filled` stops short of total_len.
+        toks = tokens[i, : min(len(t) + max_gen_len, filled)].tolist()
+        # Cut at the first stop token among the generated ones (a chat prompt may hold eos of its own).
+        for j in range(len(t), len(toks)):
+            if toks[j] in stop_set:
+                toks = toks[:j]
+                break
+        start = 0 if echo else len(t)
+        out_tokens.append(toks[start:])
+        if token_logprobs is not None:
+            out_logprobs.append(token_logprobs[i, start : len(toks)].tolist())
+    return out_tokens, (out_logprobs if token_logprobs is not None else None)
+
+
+@dataclass
+class LoadInfo:
+    """What `Llama.build` loaded, from where and how, and what it decided that the user should hear of."""
+
+    ckpt_dir: Optional[Path] = None  # where the weights were read; None for a model built in memory
+    quantization: Optional[str] = None  # how the linear layers are held: None (float), "int8", "int4-g32", ...
+    rank: int = 0
+    world_size: int = 1
+    notes: List[str] = field(default_factory=list)
+    load_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+
 class Llama:
     """A model and its tokenizer, ready to generate."""
 
@@ -118,17 +158,16 @@ class Llama:
             dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
                 unsupported) and float32 on CPU.
             compile: run the generation steps after the prompt through torch.compile (llama/compile.py).
-                The batch-1 step with the cache is compiled before build returns (one to two minutes on a
-                2-core CPU with an empty Inductor cache, about 11 s once it has it cached); other batch sizes
-                and the uncached step compile at their first use. Needs a C++ compiler on the CPU; one
-                process only.
+                The batch-1 step with the cache is compiled before build returns (minutes with an empty
+                Inductor cache, seconds once it has it; docs/benchmarks.md); other batch sizes and the
+                uncached step compile at their first use. Needs a C++ compiler on the CPU; one process only.
             quantize: None, "int8" (per output channel) or "int4" (groups of 32 columns): quantize every
                 linear layer as it loads (llama/quantize.py). A checkpoint stored quantized (it has
                 quantization.json) loads as stored without it; asking it for another method is an error.
             progress: told ("loading weights", done, total) as the tensors load (llama/progress.py).
 
         A checkpoint stored in bfloat16 whose float32 copy would not fit in memory runs in bfloat16 on the
-        CPU when no dtype is given; `load_notes` then says so. It also says when quantized layers will run
+        CPU when no dtype is given; `info.notes` then says so. It also says when quantized layers will run
         slowly (eagerly in float32 on the CPU) and what would run them fast.
 
         Raises:
@@ -139,7 +178,7 @@ class Llama:
         dtype = resolve_dtype(dtype, device)
         rank, world_size = init_distributed(device, model_parallel_size)
         if compile and world_size > 1:
-            raise LlamaError(f"--compile runs in one process, not under torchrun with {world_size} processes")
+            raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
         ckpt_dir = Path(ckpt_dir)
         params = read_params(ckpt_dir)
         tokenizer = Tokenizer(str(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir)))
@@ -154,41 +193,32 @@ class Llama:
             # Refuse a model that cannot fit before even opening its files.
             choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype, True,
                          device, world_size)
-        source = open_checkpoint(ckpt_dir, args)  # memory-mapped: nothing read yet
-        plan = resolve_plan(model, source, quantize)
+        reader = CheckpointReader(ckpt_dir)  # memory-mapped: nothing read yet
+        reader.check(args)
+        plan = resolve_plan(model, reader, quantize)
         # Refuse before reading gigabytes that cannot fit.
-        dtype, notes = choose_dtype(source, args, plan, dtype, dtype_given, device, world_size)
+        dtype, notes = choose_dtype(reader, args, plan, dtype, dtype_given, device, world_size)
         if plan and device.type == "cpu" and dtype == torch.float32 and not compile:
             notes.append(slow_path_note(plan, world_size))
-        model = load_weights(model, source, args, plan, rank, world_size, device, dtype,
+        model = load_weights(model, reader, args, plan, rank, world_size, device, dtype,
                              compiled=compile, progress=progress)
-        llama = Llama(model, tokenizer, seed=seed)
+        info = LoadInfo(ckpt_dir, describe(plan), rank, world_size, notes)
+        llama = Llama(model, tokenizer, seed=seed, info=info)
         if compile:
             compile_start = time.perf_counter()
             llama.compiled_step = compile_step(model)
-            llama.compile_seconds = time.perf_counter() - compile_start
-        llama.rank, llama.world_size = rank, world_size
-        llama.ckpt_dir = ckpt_dir
-        llama.quantization = describe(plan)
-        llama.load_notes = notes
-        llama.load_seconds = time.perf_counter() - start
+            info.compile_seconds = time.perf_counter() - compile_start
+        info.load_seconds = time.perf_counter() - start
         return llama
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, seed: int = 1):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, seed: int = 1, info: Optional[LoadInfo] = None):
         self.model = model
         self.tokenizer = tokenizer
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.load_seconds = 0.0
+        self.info = info if info is not None else LoadInfo()
+        self.compiled_step: Optional[Step] = None  # set by build(compile=True): runs the steps after the prompt
         self.last_kv_cache_bytes = 0
-        self.rank, self.world_size = 0, 1
-        self.compiled_step = None  # set by build(compile=True): runs the steps after the prompt
-        self.compile_seconds = 0.0
-        self.ckpt_dir: Optional[Path] = None  # where build() read the weights: part of the model's identity
-        # How the linear layers' weights are held: None (float), or a description such as "int4-g32" set by
-        # build(quantize=...) or by a quantized checkpoint. Part of the model's identity (prompt caches).
-        self.quantization = None
-        self.load_notes: List[str] = []  # what build() decided for the user that they should hear of
 
     @torch.inference_mode()
     def generate(
@@ -226,6 +256,53 @@ class Llama:
             (tokens, logprobs): per prompt, the returned token ids, ending before the stop token; and
             their log-probabilities, or None unless asked for.
         """
+        self._check_request(prompt_tokens, max_gen_len, temperature, top_p, kv_cache, session)
+        bsz = len(prompt_tokens)
+        min_prompt_len = min(len(t) for t in prompt_tokens)
+        total_len = min(self.model.params.max_seq_len, max_gen_len + max(len(t) for t in prompt_tokens))
+        self._check_memory(bsz, total_len, logprobs, kv_cache and session is None)
+        tokens, prompt_mask = self._token_buffers(prompt_tokens, total_len)
+        token_logprobs = torch.zeros((bsz, total_len), dtype=torch.float, device=self.device) if logprobs else None
+        stop_list = [] if ignore_stop else self.tokenizer.stop_ids
+        stop_ids = torch.tensor(stop_list, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(bsz, dtype=torch.bool, device=self.device)
+
+        prev_pos = 0
+        if session is not None:
+            # Echoed logprobs need the logits of every prompt position, so nothing can be skipped then.
+            cache, prev_pos = session.begin(prompt_tokens[0], reuse=not (logprobs and echo))
+        else:
+            # Sized for this run, not for max_batch_size x max_seq_len: the last token is sampled, never fed.
+            cache = self.model.new_kv_cache(bsz, total_len) if kv_cache else None
+        self.last_kv_cache_bytes = sum(c.nbytes for c in cache) if cache else 0
+
+        if min_prompt_len == total_len and logprobs:  # nothing to generate: score the prompts alone
+            token_logprobs[:, 1:] = _token_logprobs(self.model(tokens, 0)[:, :-1], tokens[:, 1:])
+
+        filled = min_prompt_len
+        for cur_pos in range(min_prompt_len, total_len):
+            # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
+            logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
+                                   first=cur_pos == min_prompt_len)
+            next_token = sample(logits[:, -1], temperature, top_p, self.generator)
+            # Rows whose prompt is longer than the shortest one are still reading their prompt.
+            next_token = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
+            tokens[:, cur_pos] = next_token
+            if logprobs:
+                token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _token_logprobs(logits, tokens[:, prev_pos + 1 : cur_pos + 1])
+            stopped |= ~prompt_mask[:, cur_pos] & torch.isin(next_token, stop_ids)
+            prev_pos, filled = cur_pos, cur_pos + 1
+            if on_step is not None:
+                on_step(cur_pos, next_token)
+            if bool(stopped.all()):
+                break
+        if session is not None:
+            session.end(tokens[0, :prev_pos].tolist())  # the last token was sampled, never fed
+        return _trim(prompt_tokens, tokens, token_logprobs, filled, max_gen_len, echo, set(stop_list))
+
+    def _check_request(self, prompt_tokens: List[List[int]], max_gen_len: int, temperature: float, top_p: float,
+                       kv_cache: bool, session: Optional[Session]) -> None:
+        """Raise LlamaError for anything `generate` cannot run, before any work."""
         params = self.model.params
         bsz = len(prompt_tokens)
         if bsz == 0:
@@ -243,88 +320,39 @@ class Llama:
         if session is not None and (bsz != 1 or not kv_cache):
             raise LlamaError("a session keeps the KV cache of one sequence: give it one prompt, with the cache on")
 
-        min_prompt_len = min(len(t) for t in prompt_tokens)
-        max_prompt_len = max(len(t) for t in prompt_tokens)
-        total_len = min(params.max_seq_len, max_gen_len + max_prompt_len)
-
-        device = self.device
-        # The token, mask and logprob buffers, and the cache: refuse before allocating what cannot fit.
+    def _check_memory(self, bsz: int, total_len: int, logprobs: bool, new_cache: bool) -> None:
+        """Refuse before allocating what cannot fit: the token, mask and logprob buffers, and the cache."""
         n_bytes = bsz * total_len * (8 + 1 + (4 if logprobs else 0))
-        n_bytes += self.model.kv_cache_nbytes(bsz, total_len) if kv_cache and session is None else 0
-        check_fits(n_bytes, device, f"generating {bsz} x {total_len} positions{' with a KV cache' if kv_cache else ''}")
-        tokens = torch.zeros((bsz, total_len), dtype=torch.long, device=device)
-        prompt_mask = torch.zeros((bsz, total_len), dtype=torch.bool, device=device)
+        n_bytes += self.model.kv_cache_nbytes(bsz, total_len) if new_cache else 0
+        check_fits(n_bytes, self.device, f"generating {bsz} x {total_len} positions{' with a KV cache' if new_cache else ''}")
+
+    def _token_buffers(self, prompt_tokens: List[List[int]], total_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, prompt_mask), both (bsz, total_len): the prompts left-aligned, and where they are."""
+        tokens = torch.zeros((len(prompt_tokens), total_len), dtype=torch.long, device=self.device)
+        prompt_mask = torch.zeros((len(prompt_tokens), total_len), dtype=torch.bool, device=self.device)
         for k, t in enumerate(prompt_tokens):
-            tokens[k, : len(t)] = torch.tensor(t, dtype=torch.long, device=device)
+            tokens[k, : len(t)] = torch.tensor(t, dtype=torch.long, device=self.device)
             prompt_mask[k, : len(t)] = True
-        token_logprobs = torch.zeros((bsz, total_len), dtype=torch.float, device=device) if logprobs else None
-        stop_list = [] if ignore_stop else self.tokenizer.stop_ids
-        stop_ids = torch.tensor(stop_list, dtype=torch.long, device=device)
-        stopped = torch.zeros(bsz, dtype=torch.bool, device=device)
+        return tokens, prompt_mask
 
-        prev_pos = 0
-        if session is not None:
-            # Echoed logprobs need the logits of every prompt position, so nothing can be skipped then.
-            cache, prev_pos = session.begin(prompt_tokens[0], reuse=not (logprobs and echo))
+    def _forward(self, tokens: torch.Tensor, prev_pos: int, cur_pos: int, cache: Optional[List[KVCache]],
+                 kv_cache: bool, num_logits: int, first: bool) -> torch.Tensor:
+        """One step's logits: with the cache, the tokens since prev_pos at their positions; without it, the
+        whole prefix from position 0. Raises LlamaError for NaN or infinite logits."""
+        # The prompt runs eagerly, so that a new prompt length never costs a compilation; so does a step at
+        # position 1 (after a one-token prompt), which the compiled step would specialise on and compile anew.
+        eager = first or (kv_cache and prev_pos < 2)
+        forward = self.compiled_step if self.compiled_step is not None and not eager else self.model
+        if kv_cache:
+            logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
         else:
-            # Sized for this run, not for max_batch_size x max_seq_len: the last token is sampled, never fed.
-            cache = self.model.new_kv_cache(bsz, total_len) if kv_cache else None
-        self.last_kv_cache_bytes = sum(c.nbytes for c in cache) if cache else 0
-
-        if min_prompt_len == total_len and logprobs:
-            # Nothing to generate: score the prompts alone.
-            logits = self.model(tokens, 0)
-            token_logprobs[:, 1:] = -F.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")
-
-        filled = min_prompt_len
-        for cur_pos in range(min_prompt_len, total_len):
-            # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
-            num_logits = cur_pos - prev_pos if logprobs else 1
-            # The prompt runs eagerly, so that a new prompt length never costs a compilation; so does a step at
-            # position 1 (after a one-token prompt), which the compiled step would specialise on and compile anew.
-            eager = cur_pos == min_prompt_len or (kv_cache and prev_pos < 2)
-            forward = self.compiled_step if self.compiled_step is not None and not eager else self.model
-            if kv_cache:
-                logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
-            else:
-                logits = forward(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
-            if not torch.isfinite(logits[:, -1]).all():
-                raise LlamaError(
-                    f"the model produced NaN or infinite logits at position {cur_pos - 1}; the weights may be "
-                    "corrupt, or the dtype may overflow (try --dtype float32)"
-                )
-            next_token = sample(logits[:, -1], temperature, top_p, self.generator)
-            # Rows whose prompt is longer than the shortest one are still reading their prompt.
-            next_token = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
-            tokens[:, cur_pos] = next_token
-            if logprobs:
-                token_logprobs[:, prev_pos + 1 : cur_pos + 1] = -F.cross_entropy(
-                    logits.transpose(1, 2), tokens[:, prev_pos + 1 : cur_pos + 1], reduction="none"
-                )
-            stopped |= ~prompt_mask[:, cur_pos] & torch.isin(next_token, stop_ids)
-            prev_pos, filled = cur_pos, cur_pos + 1
-            if on_step is not None:
-                on_step(cur_pos, next_token)
-            if bool(stopped.all()):
-                break
-        if session is not None:
-            session.end(tokens[0, :prev_pos].tolist())  # the last token was sampled, never fed
-
-        out_tokens, out_logprobs = [], []
-        stop_set = set(stop_list)
-        for i, t in enumerate(prompt_tokens):
-            # Every row is past its prompt by the time `filled` stops short of total_len.
-            toks = tokens[i, : min(len(t) + max_gen_len, filled)].tolist()
-            # Cut at the first stop token among the generated ones (a chat prompt may hold eos of its own).
-            for j in range(len(t), len(toks)):
-                if toks[j] in stop_set:
-                    toks = toks[:j]
-                    break
-            start = 0 if echo else len(t)
-            out_tokens.append(toks[start:])
-            if logprobs:
-                out_logprobs.append(token_logprobs[i, start : len(toks)].tolist())
-        return out_tokens, (out_logprobs if logprobs else None)
+            logits = forward(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
+        if not torch.isfinite(logits[:, -1]).all():
+            raise LlamaError(
+                f"the model produced NaN or infinite logits at position {cur_pos - 1}; the weights may be "
+                "corrupt, or the dtype may overflow (try dtype=float32)"
+            )
+        return logits
 
     def text_completion(
         self,

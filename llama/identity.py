@@ -83,13 +83,12 @@ def model_identity(llama) -> str:
 
     It covers the shape (params), the weights (the checkpoint's files, or the tensors in memory for a model
     that was not built from a directory), the tokenizer file and its config, the dtype and device type the
-    keys and values are computed in, and `llama.quantization`.
+    keys and values are computed in, and the quantization (`llama.info`).
     """
-    model = llama.model
+    model, info = llama.model, llama.info
     p = model.params
-    weight = model.tok_embeddings.weight
-    ckpt_dir = getattr(llama, "ckpt_dir", None)
-    if ckpt_dir is not None:
+    if info.ckpt_dir is not None:
+        ckpt_dir = info.ckpt_dir
         files = [Path(ckpt_dir) / "params.json", *shard_paths(ckpt_dir)]
         files += [f for f in (Path(ckpt_dir) / "quantization.json",) if f.is_file()]
         weights = file_digests(files)
@@ -102,10 +101,10 @@ def model_identity(llama) -> str:
         "version": IDENTITY_VERSION,
         "params": {k: getattr(p, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
                                               "ffn_hidden_dim", "norm_eps", "rope_theta")},
-        "dtype": str(weight.dtype),
-        "device": weight.device.type,
-        "quantization": getattr(llama, "quantization", None),
-        "world_size": getattr(llama, "world_size", 1),
+        "dtype": str(model.dtype),
+        "device": model.device.type,
+        "quantization": info.quantization,
+        "world_size": info.world_size,
         "weights": weights,
         "tokenizer": tokenizer,
     }
@@ -114,8 +113,7 @@ def model_identity(llama) -> str:
 
 def describe(llama) -> str:
     """A few words naming the model, for messages: its directory's name and dtype."""
-    ckpt_dir = getattr(llama, "ckpt_dir", None)
+    ckpt_dir, quant = llama.info.ckpt_dir, llama.info.quantization
     name = Path(ckpt_dir).name if ckpt_dir is not None else "a model built in memory"
-    quant = getattr(llama, "quantization", None)
-    dtype = str(llama.model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    dtype = str(llama.model.dtype).removeprefix("torch.")
     return f"{name} ({dtype}{', ' + quant if quant else ''})"

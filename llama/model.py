@@ -197,20 +197,29 @@ class Transformer(nn.Module):
                 module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
         return self
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model's weights (and so its activations and caches) live."""
+        return self.tok_embeddings.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the model computes in: its embedding's (quantized layers widen to it)."""
+        return self.tok_embeddings.weight.dtype
+
     def kv_cache_nbytes(self, batch_size: int, max_seq_len: int) -> int:
         """Bytes that `new_kv_cache(batch_size, max_seq_len)` would allocate."""
         per_position = sum(2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in self.layers)
-        return per_position * batch_size * max_seq_len * self.tok_embeddings.weight.element_size()
+        return per_position * batch_size * max_seq_len * self.dtype.itemsize
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None) -> List[KVCache]:
         """One empty cache per layer for `batch_size` rows of up to `max_seq_len` positions.
 
         Sized from the layers themselves, so a model split across ranks gets caches of its local KV heads.
         """
-        weight = self.tok_embeddings.weight
         return [
             KVCache(batch_size, max_seq_len, layer.attention.n_kv_heads, layer.attention.head_dim,
-                    dtype or weight.dtype, weight.device)
+                    dtype or self.dtype, self.device)
             for layer in self.layers
         ]
 

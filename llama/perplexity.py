@@ -62,8 +62,8 @@ def window_starts(n_tokens: int, ctx: int, max_windows: Optional[int] = None) ->
         raise LlamaError(f"the number of windows must be at least 1, not {max_windows}")
     count = n_tokens // ctx
     if count == 0:
-        raise LlamaError(f"the text has {n_tokens} tokens, fewer than one window of --ctx {ctx}; "
-                         "lower --ctx or give a longer text")
+        raise LlamaError(f"the text has {n_tokens} tokens, fewer than one window of ctx={ctx}; "
+                         "lower ctx= or give a longer text")
     if max_windows is not None:
         count = min(count, max_windows)
     return [k * ctx for k in range(count)]
@@ -71,7 +71,7 @@ def window_starts(n_tokens: int, ctx: int, max_windows: Optional[int] = None) ->
 
 def check_ctx(ctx: int) -> None:
     if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < MIN_CTX:
-        raise LlamaError(f"--ctx must be a whole number of at least {MIN_CTX} tokens, not {ctx!r}")
+        raise LlamaError(f"ctx= must be a whole number of at least {MIN_CTX} tokens, not {ctx!r}")
 
 
 @torch.inference_mode()
@@ -136,7 +136,7 @@ def perplexity(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise LlamaError(f"the chunk size must be a whole number of at least 1, not {chunk_size!r}")
     if ctx > llama.model.params.max_seq_len:
-        raise LlamaError(f"--ctx {ctx} is longer than the model's max_seq_len {llama.model.params.max_seq_len}")
+        raise LlamaError(f"ctx={ctx} is longer than the model's max_seq_len {llama.model.params.max_seq_len}")
     vocab = llama.model.params.vocab_size
     if len(tokens) and (min(tokens) < 0 or max(tokens) >= vocab):
         raise LlamaError(f"the text's token ids fall outside the model's vocabulary of {vocab}")
@@ -153,7 +153,7 @@ def perplexity(
         nll = window_nll(llama, window, kv_cache, chunk_size)
         if not torch.isfinite(nll).all():
             raise LlamaError(f"the model produced NaN or infinite logits in window {k + 1}; the weights may be "
-                             "corrupt, or the dtype may overflow (try --dtype float32)")
+                             "corrupt, or the dtype may overflow (try dtype=float32)")
         nlls.append(nll)
         per_window.append(math.exp(nll.mean().item()))
         report("scoring windows", k + 1, len(starts))

@@ -34,6 +34,9 @@ METHODS = ("int8", "int4")
 DEFAULT_INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block: their files convert without loss
 SCALE_DTYPE = torch.float16
 
+# What a model's linear layers hold: weight name -> (method, group size); None is int8 per output channel.
+Plan = Dict[str, Tuple[str, Optional[int]]]
+
 # The weights that are quantized: every linear layer's (the embedding stays as it is).
 LINEAR_SUFFIXES = (
     "attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",

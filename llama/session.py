@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from llama.distributed import check_fits
+from llama.devices import check_fits
 from llama.kv_cache import KVCache
 from llama.model import Transformer
 
@@ -59,7 +59,7 @@ class Session:
     def caches(self) -> List[KVCache]:
         """The per-layer caches, allocated on first use."""
         if self.cache is None:
-            check_fits(self.model.kv_cache_nbytes(1, self.max_seq_len), self.model.tok_embeddings.weight.device,
+            check_fits(self.model.kv_cache_nbytes(1, self.max_seq_len), self.model.device,
                        f"a session's KV cache of {self.max_seq_len} positions")
             self.cache = self.model.new_kv_cache(1, self.max_seq_len)
         return self.cache

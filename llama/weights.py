@@ -14,23 +14,20 @@ again would read them back from the file.
 import ctypes
 import mmap
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from llama.checkpoint import IGNORED_KEYS, expected_shapes, load_shard, shard_paths
-from llama.distributed import available_memory
+from llama.checkpoint import CheckpointReader, expected_shapes
+from llama.devices import available_memory
 from llama.errors import LlamaError
 from llama.model import ModelArgs
 from llama.progress import Progress, or_silent
-from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, RECORD_NAME, is_linear_weight, method_of, quantized_shapes, read_record
-from llama.quantize import (
-    Plan, check_method, describe, plan_for, quantize_weight, swap_linears, use_cpu_kernel_layout,
-    use_reduction_layout,
-)
+from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, Plan, is_linear_weight, quantized_shapes
+from llama.linears import Int4Linear, choose_layer_classes
+from llama.quantize import check_method, describe, plan_for, quantize_weight, swap_linears
 from llama.sharding import split_dim
 
 # Scratch for quantizing one weight (llama/quantize.py works 2**22 elements at a time, float32, a few copies).
@@ -38,119 +35,18 @@ _QUANTIZE_SCRATCH = 8 * 4 * (1 << 22)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass
-class Source:
-    """A checkpoint's weight files, opened (memory-mapped), with what they hold."""
-
-    ckpt_dir: Path
-    paths: List[Path]
-    shards: List[Dict[str, torch.Tensor]]
-    record: Optional[Dict]
-    stored_plan: Plan = field(default_factory=dict)  # weights the files hold quantized
-
-    @property
-    def float_dtype(self) -> Optional[torch.dtype]:
-        """The dtype of the checkpoint's float tensors (the first one found)."""
-        for tensor in self.shards[0].values():
-            if tensor.dtype in _FLOAT_DTYPES:
-                return tensor.dtype
-        return None
-
-
-def open_checkpoint(ckpt_dir: Path, args: ModelArgs) -> Source:
-    """Memory-map a checkpoint's shards and learn which weights are stored quantized (nothing is read yet)."""
-    paths = shard_paths(ckpt_dir)
-    shards = []
-    for path in paths:
-        shard = load_shard(path)
-        for key in IGNORED_KEYS:
-            shard.pop(key, None)
-        shards.append(shard)
-    for path, shard in zip(paths[1:], shards[1:]):
-        if set(shard) != set(shards[0]):
-            raise LlamaError(f"{path} does not hold the same tensor names as {paths[0]}")
-    record = read_record(ckpt_dir)
-    source = Source(Path(ckpt_dir), paths, shards, record)
-    full = expected_shapes(args)
-    first = shards[0]
-    for name, shape in full.items():
-        method = method_of(first, name) if is_linear_weight(name) else None
-        if method is None:
-            continue
-        scales = first[name.removesuffix(".weight") + ".scales"]
-        dim = split_dim(name)
-        n_groups = scales.shape[1] * (len(shards) if dim == 1 else 1)
-        if scales.ndim != 2 or n_groups == 0 or shape[1] % n_groups:
-            raise LlamaError(f"{ckpt_dir}: {name}'s scales have shape {tuple(scales.shape)}, which does not group "
-                             f"its {shape[1]} input columns")
-        per_channel = method == "int8" and n_groups == 1
-        group_size = shape[1] // n_groups
-        if method == "int4" and group_size % 2:
-            raise LlamaError(f"{ckpt_dir}: {name} is int4 in groups of {group_size} columns; int4 packs columns in "
-                             "pairs within each group, so the checkpoint is damaged")
-        source.stored_plan[name] = (method, None if per_channel else group_size)
-    if source.stored_plan and record is None:
-        raise LlamaError(f"{ckpt_dir} holds quantized weights but no {RECORD_NAME}; the checkpoint is incomplete")
-    if record is not None and not source.stored_plan:
-        raise LlamaError(f"{ckpt_dir} has {RECORD_NAME} but its weights are not quantized; the checkpoint is damaged")
-    return source
-
-
-def _shape_check(source: Source, full_shapes: Dict[str, torch.Size]) -> None:
-    """Every tensor present, none unexpected, each of the shape params.json (and the quantization) implies."""
-    first = source.shards[0]
-    missing = [k for k in full_shapes if k not in first]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise LlamaError(f"{source.ckpt_dir} is missing tensor {missing[0]}{more}")
-    unexpected = [k for k in first if k not in full_shapes]
-    if unexpected:
-        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
-        raise LlamaError(f"{source.ckpt_dir} has unexpected tensor {unexpected[0]}{more}")
-    n = len(source.shards)
-    for name, shape in full_shapes.items():
-        dim = split_dim(name)
-        pieces = [s[name].shape for s in source.shards]
-        if dim is None or n == 1:
-            merged = pieces[0]
-            ok = all(p == merged for p in pieces)
-        else:
-            merged = list(pieces[0])
-            merged[dim] = sum(p[dim] for p in pieces)
-            ok = all(len(p) == len(shape) and all(p[d] == pieces[0][d] for d in range(len(p)) if d != dim) for p in pieces)
-            merged = torch.Size(merged)
-        if not ok or merged != shape:
-            where = source.paths[0] if n == 1 else source.ckpt_dir
-            got = tuple(pieces[0]) if n == 1 else f"{tuple(merged)} (joined from {n} shards)"
-            raise LlamaError(f"{where}: tensor {name} has shape {got}, params.json implies {tuple(shape)}")
-
-
-def _local_tensors(source: Source, rank: int, world_size: int) -> Iterator[Tuple[str, torch.Tensor, List[torch.Tensor]]]:
-    """(name, this rank's slice, the file tensors it came from) for every tensor, in file order."""
-    n = len(source.shards)
-    for name in list(source.shards[0]):
-        pieces = [shard[name] for shard in source.shards]
-        dim = split_dim(name)
-        if n == world_size:
-            local = pieces[rank]
-        else:
-            whole = pieces[0] if dim is None or n == 1 else torch.cat(pieces, dim=dim)
-            local = whole if dim is None or world_size == 1 else torch.chunk(whole, world_size, dim=dim)[rank]
-        yield name, local, pieces
-
-
-def resolve_plan(model: nn.Module, source: Source, quantize: Optional[str]) -> Plan:
+def resolve_plan(model: nn.Module, source: CheckpointReader, quantize: Optional[str]) -> Plan:
     """What each linear layer will hold: the checkpoint's own quantization, or the one asked for.
 
     Raises:
-        LlamaError: --quantize asks for something other than what a quantized checkpoint holds.
+        LlamaError: `quantize` asks for something other than what a quantized checkpoint holds.
     """
     quantize = check_method(quantize)
     if source.stored_plan:
         stored = {m for m, _ in source.stored_plan.values()}
         if quantize is not None and stored != {quantize}:
             raise LlamaError(f"{source.ckpt_dir} is stored quantized as {describe(source.stored_plan)}; "
-                             f"--quantize {quantize} would round its weights a second time: leave --quantize out "
+                             f"quantize={quantize} would round its weights a second time: leave quantize= out "
                              "to run it as stored, or quantize the float checkpoint")
         return dict(source.stored_plan)
     return plan_for(model, quantize) if quantize is not None else {}
@@ -190,7 +86,7 @@ def peak_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dtyp
     return model + in_flight + model // 16 + 256 * 2**20
 
 
-def choose_dtype(source: Optional[Source], args: ModelArgs, plan: Plan, dtype: torch.dtype, explicit: bool,
+def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan, dtype: torch.dtype, explicit: bool,
                  device: torch.device, world_size: int) -> Tuple[torch.dtype, List[str]]:
     """The dtype to load in, checked to fit in memory with everything loading takes; and notes for the user.
 
@@ -215,28 +111,28 @@ def choose_dtype(source: Optional[Source], args: ModelArgs, plan: Plan, dtype: t
     if (not explicit and device.type == "cpu" and dtype == torch.float32 and stored_dtype == torch.bfloat16
             and need(torch.bfloat16) <= free):
         note = (f"the checkpoint is stored in bfloat16 and a float32 copy ({need(dtype) / gib:.1f} GiB) would not fit "
-                f"in the {free / gib:.1f} GiB available, so it runs in bfloat16 (--dtype chooses)")
+                f"in the {free / gib:.1f} GiB available, so it runs in bfloat16 (dtype= chooses)")
         return torch.bfloat16, [note]
     kind = describe(plan)
     held = f"{kind} with the rest in " if kind else ""
     # Say which of the smaller ways would fit, with what each needs, rather than a list of guesses.
     options = []
     if dtype == torch.float32 and need(torch.bfloat16) <= free:
-        options.append(f"--dtype bfloat16 ({need(torch.bfloat16) / gib:.1f} GiB)")
+        options.append(f"dtype=bfloat16 ({need(torch.bfloat16) / gib:.1f} GiB)")
     if not source or not source.stored_plan:  # a stored quantized checkpoint loads only as it is
         for method in ("int8", "int4"):
             alternative = {n: (method, None if method == "int8" else DEFAULT_INT4_GROUP_SIZE)
                            for n in full if is_linear_weight(n)}
             cost = peak_bytes(full, alternative, torch.bfloat16, world_size, n_shards, stored_itemsize)
             if cost < need(torch.bfloat16) and cost <= free:
-                options.append(f"--quantize {method} --dtype bfloat16 ({cost / gib:.1f} GiB)")
+                options.append(f"quantize={method} dtype=bfloat16 ({cost / gib:.1f} GiB)")
     hint = ("; these would fit: " + ", ".join(options)) if options else \
         "; nothing smaller fits on one device here: use more model-parallel processes or another device"
     raise LlamaError(f"the model's weights in {held}{str(dtype).removeprefix('torch.')} needs {need(dtype) / gib:.1f} GiB "
                      f"on {device} but only {free / gib:.1f} GiB is available{hint}")
 
 
-def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, rank: int, world_size: int,
+def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, plan: Plan, rank: int, world_size: int,
                  device: torch.device, dtype: torch.dtype, compiled: bool,
                  progress: Optional[Progress] = None) -> nn.Module:
     """Fill `model` (built on the meta device, already split for `world_size` ranks) from `source`.
@@ -246,16 +142,14 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
             to quantize as they load).
         compiled: lay the weights out for llama/compile.py's step rather than for eager runs. Eager CPU runs
             hold float projections with more outputs than inputs input-major (see
-            Transformer.use_column_major_weights); compiled ones keep them row-major for their reductions,
-            and hold int4 layers in the layout those read. In bf16 on the CPU, int4 layers take the CPU
-            kernel's layout either way.
+            Transformer.use_column_major_weights); compiled ones keep them row-major for their reductions.
+            Each linear layer then becomes the class llama/linears.py's `choose_layer_classes` picks.
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
     """
     input_major = device.type == "cpu" and not compiled
     progress = or_silent(progress)
     full_shapes = expected_shapes(args)
     stored = _quantized_shapes(full_shapes, source.stored_plan)
-    _shape_check(source, stored)
     if world_size > 1:
         for name, shape in stored.items():
             dim = split_dim(name)
@@ -266,7 +160,7 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
     layers = dict(model.named_modules())
     total, state = len(source.shards[0]), {}
     progress("loading weights", 0, total)
-    for i, (name, local, pieces) in enumerate(_local_tensors(source, rank, world_size)):
+    for i, (name, local, pieces) in enumerate(source.tensors(rank, world_size)):
         if name in plan and name not in source.stored_plan:
             layer = layers[name.removesuffix(".weight")]
             for suffix, tensor in quantize_weight(local, *plan[name][:1], layer.group_size).items():
@@ -296,15 +190,12 @@ def load_weights(model: nn.Module, source: Source, args: ModelArgs, plan: Plan, 
         raise LlamaError(f"{source.ckpt_dir} does not fit the model params.json describes ({str(e).splitlines()[0]})") from None
     model.requires_grad_(False).eval()
     # Re-packing replaces each int4 weight; holding the old ones here would keep the model twice.
-    stored_int4 = [(layers[n.removesuffix(".weight")], state[n]) for n, (m, _) in source.stored_plan.items()
-                   if m == "int4"]
+    stored_int4 = [(n.removesuffix(".weight"), state[n]) for n, (m, _) in source.stored_plan.items() if m == "int4"]
     state.clear()
-    if device.type == "cpu" and dtype == torch.bfloat16:  # the kernels take bf16 activations only
-        use_cpu_kernel_layout(model)
-    if compiled:
-        use_reduction_layout(model)  # the int4 layers the kernel does not take
-    for layer, tensor in stored_int4:
-        if layer.layout != "format":
+    choose_layer_classes(model, compiled)
+    layers = dict(model.named_modules())
+    for name, tensor in stored_int4:
+        if type(layers[name]) is not Int4Linear:
             release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
     _return_free_memory()
     return model

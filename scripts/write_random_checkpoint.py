@@ -18,7 +18,7 @@ import fire
 from llama.checkpoint import expected_shapes, model_args
 from llama.random_weights import PRESETS, write_random_weights
 from llama.cli.progress import ProgressPrinter
-from llama.distributed import resolve_dtype
+from llama.devices import resolve_dtype
 from llama.errors import LlamaError
 from llama.tokenizer import Tokenizer
 

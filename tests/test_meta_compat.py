@@ -149,7 +149,7 @@ def test_the_process_group_is_destroyed_at_exit(ckpt, tmp_path):
         # One write per rank (print writes its parts separately, and the two ranks' parts could interleave).
         "atexit.register(lambda: sys.stderr.write(f'group still up at exit: {dist.is_initialized()}\\n'))\n"
         "llama = Llama.build(sys.argv[1], sys.argv[2], 32, 1, device='cpu')\n"
-        "print('rank', llama.rank, 'of', llama.world_size)\n"
+        "print('rank', llama.info.rank, 'of', llama.info.world_size)\n"
     )
     quiet = torchrun(script, 2, str(ckpt), str(ckpt.parent / "tokenizer.model"))
     assert quiet.stdout == "rank 0 of 2\n"

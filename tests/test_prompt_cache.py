@@ -92,7 +92,7 @@ def test_identity_changes_with_weights_tokenizer_dtype_and_quantization(gqa_ckpt
     assert model_identity(build(gqa_ckpt, dtype="bfloat16")) != base
 
     quantized = build(gqa_ckpt)
-    quantized.quantization = "int8"  # what build(quantize=...) sets
+    quantized.info.quantization = "int8"  # what build(quantize=...) sets
     assert model_identity(quantized) != base
 
 

@@ -185,7 +185,7 @@ def test_quantize_a_gguf_requantizes_only_what_is_not_in_that_method(tmp_path):
 def test_errors_are_one_line_and_leave_nothing(tmp_path):
     src, _ = write_tiny(tmp_path / "float")
     bad = convert_cli(src, tmp_path / "q", "--quantize", "int3")
-    assert bad.returncode == 1 and bad.stderr.strip() == "error: --quantize must be one of int8, int4, not 'int3'"
+    assert bad.returncode == 1 and bad.stderr.strip() == "error: unknown quantization 'int3'; choose one of int8, int4 (or leave it out for float)"
     plain = convert_cli(src, tmp_path / "q")
     assert plain.returncode == 1 and "pass --quantize int8 or int4" in plain.stderr
     assert len(plain.stderr.strip().splitlines()) == 1

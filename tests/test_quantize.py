@@ -14,9 +14,20 @@ from llama import quant_format as qf
 from llama.checkpoint import save_checkpoint
 from llama.random_weights import random_state_dict
 from llama.errors import LlamaError
-from llama.quantize import (
-    Int4Linear, Int8Linear, kernels_ok, quantize_model, quantize_weight, slow_path_note, use_kernels,
+from llama.generation import Llama
+from llama.linears import (
+    HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
+    Int8ReductionLinear, QuantizedLinear, choose_layer_classes,
 )
+from llama.quantize import quantize_model, quantize_weight, slow_path_note
+
+
+def without_kernels(llama: Llama) -> Llama:
+    """A copy of a loaded model whose layers take the exact fallback (widening), as a torch without the
+    private kernels would run it."""
+    model = choose_layer_classes(copy.deepcopy(llama.model), kernels=False)
+    assert not any(isinstance(m, (Int8KernelLinear, Int4KernelLinear)) for m in model.modules())
+    return Llama(model, llama.tokenizer, info=llama.info)
 
 METHODS = ["int8", "int4"]
 
@@ -33,13 +44,13 @@ def test_every_linear_layer_is_quantized_and_the_embedding_is_not(quantized, met
     assert not any(type(m) is nn.Linear for m in model.modules())
     assert isinstance(model.output, kind) and isinstance(model.layers[1].feed_forward.w2, kind)
     assert model.tok_embeddings.weight.dtype == torch.float32
-    assert quantized[method].quantization == {"int8": "int8", "int4": "int4-g32"}[method]
+    assert quantized[method].info.quantization == {"int8": "int8", "int4": "int4-g32"}[method]
 
 
 def test_a_slow_quantized_run_says_what_would_be_fast(quantized, quantized_bf16):
-    (note,) = quantized["int4"].load_notes  # float32, eager: exact but slow
-    assert "--compile runs them fast and exact" in note and "--dtype bfloat16" in note
-    assert quantized_bf16["int4"].load_notes == []
+    (note,) = quantized["int4"].info.notes  # float32, eager: exact but slow
+    assert "compile=True runs them fast and exact" in note and "dtype=bfloat16" in note
+    assert quantized_bf16["int4"].info.notes == []
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -63,7 +74,7 @@ def _dequantized_float_model(model):
     reference = copy.deepcopy(model)
     for module in list(reference.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, (Int8Linear, Int4Linear)):
+            if isinstance(child, QuantizedLinear):
                 linear = nn.Linear(child.in_features, child.out_features, bias=False)
                 linear.weight = nn.Parameter(child.dequantized(), requires_grad=False)
                 setattr(module, child_name, linear)
@@ -98,69 +109,67 @@ def test_bf16_kernels_match_the_float32_model_of_the_same_weights(quantized_bf16
     tokens = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         got, want = model(tokens), reference(tokens)
-        previous = use_kernels(False)
-        try:
-            fallback = model(tokens)
-        finally:
-            use_kernels(previous)
+        fallback = without_kernels(quantized_bf16[method]).model(tokens)
     assert ((got - want).norm() / want.norm()).item() < 2e-2
     assert ((fallback - want).norm() / want.norm()).item() < 2e-2
 
 
 def test_int4_kernel_layout_gives_back_the_stored_values(quantized, quantized_bf16, gqa_ckpt):
-    assert quantized["int4"].model.layers[0].feed_forward.w1.layout == "format"  # float32 eager runs keep it
+    assert type(quantized["int4"].model.layers[0].feed_forward.w1) is Int4Linear  # float32 eager runs keep the format
     layer = quantized_bf16["int4"].model.layers[0].feed_forward.w1
-    assert (layer.layout == "kernel") == kernels_ok(torch.zeros(1, dtype=torch.bfloat16),
-                                             hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
+    assert type(layer) is (Int4KernelLinear if HAS_INT4_KERNEL else Int4Linear)
     fresh = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
     fresh.load_state_dict(layer.state_dict(), assign=True)
-    assert fresh.layout == "format"
-    assert torch.equal(fresh.weight, layer.format_weight())
-    fresh.use_cpu_kernel_layout()
-    assert torch.equal(fresh.weight, layer.weight) and torch.equal(fresh.format_weight(), layer.format_weight())
-    if layer.layout == "kernel":  # the kernel's scales replace the format's, which are not held twice
-        assert layer.scales is None and layer.mins is None
-        exact = build(gqa_ckpt, quantize="int4").model.layers[0].feed_forward.w1  # float32: the format's own
-        (scales, mins), want = layer.format_scales(), (exact.scales.float(), exact.mins.float())
-        # The kernel holds each scale and zero point (min + 8 * scale) in bf16: 2^-9 relative rounding each.
-        torch.testing.assert_close(scales.float(), want[0], rtol=2 ** -8, atol=1e-6)
-        # (as large as a rounding of min and of 8 * scale, where the two nearly cancel)
-        zero_error = (mins.float() + 8 * scales.float() - (want[1] + 8 * want[0])).abs()
-        assert (zero_error <= 2 ** -8 * (want[1].abs() + 8 * want[0].abs()) + 1e-6).all()
+    assert torch.equal(fresh.weight, layer.format_tensors()["weight"])
+    if not HAS_INT4_KERNEL:
+        return
+    repacked = Int4KernelLinear.from_layer(fresh, torch.bfloat16)
+    assert torch.equal(repacked.weight, layer.weight)
+    assert torch.equal(repacked.format_tensors()["weight"], layer.format_tensors()["weight"])
+    # The kernel's scales replace the format's, which are not held twice.
+    assert layer.scales is None and layer.mins is None
+    exact = build(gqa_ckpt, quantize="int4").model.layers[0].feed_forward.w1  # float32: the format's own
+    tensors, want = layer.format_tensors(), (exact.scales.float(), exact.mins.float())
+    scales, mins = tensors["scales"], tensors["mins"]
+    # The kernel holds each scale and zero point (min + 8 * scale) in bf16: 2^-9 relative rounding each.
+    torch.testing.assert_close(scales.float(), want[0], rtol=2 ** -8, atol=1e-6)
+    # (as large as a rounding of min and of 8 * scale, where the two nearly cancel)
+    zero_error = (mins.float() + 8 * scales.float() - (want[1] + 8 * want[0])).abs()
+    assert (zero_error <= 2 ** -8 * (want[1].abs() + 8 * want[0].abs()) + 1e-6).all()
 
 
 def test_every_int4_layout_holds_the_same_values(quantized, monkeypatch):
     """format -> halves -> kernel -> halves -> format: the values, scales and state_dict never change, also
     when a layer is re-packed a slice of rows at a time."""
-    import llama.quantize as quantize
+    import llama.linears as linears
 
     layer = quantized["int4"].model.layers[0].feed_forward.w1
     assert layer.out_features == 192
-    monkeypatch.setattr(quantize, "_CHUNK_ELEMENTS", 64 * layer.in_features)  # three slices of 64 rows
+    monkeypatch.setattr(linears, "_CHUNK_ELEMENTS", 64 * layer.in_features)  # three slices of 64 rows
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     fresh = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
     fresh.load_state_dict(state, assign=True)
     want = fresh.dequantized()
-    fresh.use_halves_layout()
-    assert fresh.layout == "halves" and not torch.equal(fresh.weight, state["weight"])
+    halves = Int4HalvesLinear.from_layer(fresh, torch.float32)
+    assert not torch.equal(halves.weight, state["weight"])
     # Byte j of group g holds columns 32g + j (low nibble) and 32g + 16 + j (high nibble).
     values = qf.unpack_int4(state["weight"])
-    assert torch.equal(fresh.weight[:, 0] & 15, values[:, 0]) and torch.equal(fresh.weight[:, 0] >> 4, values[:, 16])
-    assert torch.equal(fresh.dequantized(), want)
-    for name, tensor in fresh.state_dict().items():
+    assert torch.equal(halves.weight[:, 0] & 15, values[:, 0]) and torch.equal(halves.weight[:, 0] >> 4, values[:, 16])
+    assert torch.equal(halves.dequantized(), want)
+    for name, tensor in halves.state_dict().items():
         assert torch.equal(tensor, state[name]), name
-    if fresh.use_cpu_kernel_layout():  # from the halves layout to the kernel's, and back
-        assert fresh.layout == "kernel"
-        fresh.use_halves_layout()
-        assert torch.equal(qf.unpack_int4(fresh.format_weight()), values)
+    if HAS_INT4_KERNEL:  # from the halves layout to the kernel's, and back
+        back = Int4HalvesLinear.from_layer(Int4KernelLinear.from_layer(halves, torch.bfloat16), torch.float32)
+        assert torch.equal(back.weight, halves.weight)
+        assert torch.equal(Int4Linear.from_layer(back, torch.float32).weight, state["weight"])
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="--compile needs a C++ compiler")
-def test_a_compiled_int4_layer_in_another_layout_widens_its_weight(quantized):
-    """Only the halves layout has a compiled reduction; a layer held otherwise (the stored format here, or
-    the kernel's with the kernels switched off) computes exactly, by widening, rather than failing."""
+def test_a_compiled_int4_layer_in_the_stored_layout_widens_its_weight(quantized):
+    """Only the halves layout has a compiled reduction; a layer compiled in the stored format computes
+    exactly, by widening, rather than failing."""
     layer = copy.deepcopy(quantized["int4"].model.layers[0].feed_forward.w1)
-    assert layer.layout == "format"
+    assert type(layer) is Int4Linear
     x = torch.randn(1, 1, layer.in_features, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         got = torch.compile(layer, fullgraph=True)(x)
@@ -171,9 +180,9 @@ def test_the_slow_path_note_names_only_what_applies(monkeypatch):
     import llama.quantize as quantize
 
     plan = {"output.weight": ("int4", 32)}
-    assert "--compile" in slow_path_note(plan) and "--compile" not in slow_path_note(plan, world_size=2)
-    monkeypatch.setattr(quantize, "_HAS_INT4_KERNEL", False)  # a torch without the int4 kernel
-    assert "--dtype bfloat16" not in slow_path_note(plan) and "--dtype bfloat16" in slow_path_note({"x": ("int8", None)})
+    assert "compile=True" in slow_path_note(plan) and "compile=True" not in slow_path_note(plan, world_size=2)
+    monkeypatch.setattr(quantize, "HAS_INT4_KERNEL", False)  # a torch without the int4 kernel
+    assert "dtype=bfloat16" not in slow_path_note(plan) and "dtype=bfloat16" in slow_path_note({"x": ("int8", None)})
     assert slow_path_note(plan, world_size=2) == "quantized layers in float32 run eagerly on exact but slow paths"
 
 
@@ -226,7 +235,7 @@ def test_state_dict_is_the_on_disk_layout_and_round_trips(quantized, method, tmp
     save_checkpoint(tmp_path / "q", params, state, tokenizer_path=EXAMPLE_TOKENIZER,
                     extra_files={qf.RECORD_NAME: record})
     loaded = build(tmp_path / "q")  # no --quantize: the checkpoint says what it holds
-    assert loaded.quantization == llama.quantization
+    assert loaded.info.quantization == llama.info.quantization
     for name, tensor in loaded.model.state_dict().items():
         assert torch.equal(tensor, state[name]), name
     prompt = [[1, 20, 30, 40]]
@@ -234,7 +243,7 @@ def test_state_dict_is_the_on_disk_layout_and_round_trips(quantized, method, tmp
 
     with pytest.raises(LlamaError, match="would round its weights a second time"):
         build(tmp_path / "q", quantize="int4" if method == "int8" else "int8")
-    assert build(tmp_path / "q", quantize=method).quantization == llama.quantization
+    assert build(tmp_path / "q", quantize=method).info.quantization == llama.info.quantization
 
 
 def test_a_quantized_checkpoint_with_wrong_scales_is_refused(quantized, tmp_path):
@@ -279,7 +288,7 @@ def test_grouped_int8_as_stored_by_gguf_q8_0(tmp_path):
                     extra_files={qf.RECORD_NAME: qf.write_record("int8", 32, "gguf Q8_0")})
     save_checkpoint(tmp_path / "deq", params, float_state, tokenizer_path=EXAMPLE_TOKENIZER)
     grouped, dequantized = build(tmp_path / "q8_0"), build(tmp_path / "deq")
-    assert grouped.quantization == "int8-g32" and reference.quantization is None
+    assert grouped.info.quantization == "int8-g32" and reference.info.quantization is None
     tokens = torch.randint(0, 4000, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         torch.testing.assert_close(grouped.model(tokens), dequantized.model(tokens), rtol=0, atol=1e-4)
@@ -289,15 +298,10 @@ def test_grouped_int8_as_stored_by_gguf_q8_0(tmp_path):
 def test_without_the_private_kernels_the_cache_switch_stays_exact(quantized, method):
     """The fallback (dequantize, then F.linear) is what a torch without the private kernels runs (its logits
     are checked against the float model above); cached and uncached greedy runs must agree on it too."""
-    llama = quantized[method]
+    llama = without_kernels(quantized[method])
     prompts = [[1, 50, 7, 99], [1, 3000]]
-    previous = use_kernels(False)
-    try:
-        assert not kernels_ok(torch.zeros(1, dtype=torch.bfloat16))
-        slow = llama.generate(prompts, 16, temperature=0, kv_cache=True)
-        slow_uncached = llama.generate(prompts, 16, temperature=0, kv_cache=False)
-    finally:
-        use_kernels(previous)
+    slow = llama.generate(prompts, 16, temperature=0, kv_cache=True)
+    slow_uncached = llama.generate(prompts, 16, temperature=0, kv_cache=False)
     assert slow == slow_uncached
 
 
@@ -314,19 +318,15 @@ def test_quantize_model_on_a_built_float_model_matches_quantizing_while_loading(
 def test_compiled_quantized_step_keeps_the_cache_switch_exact(gqa_ckpt, method):
     """--compile fuses the dequantization into the reduction; it must agree with the exact eager path."""
     compiled = build(gqa_ckpt, quantize=method, compile=True)
-    assert compiled.load_notes == []  # the fast exact path: nothing to warn of
+    assert compiled.info.notes == []  # the fast exact path: nothing to warn of
     prompts = [[1, 50, 7, 99, 12], [1, 3000, 8]]
     cached, lp_cached = compiled.generate(prompts, 12, temperature=0, logprobs=True, kv_cache=True)
     uncached, lp_uncached = compiled.generate(prompts, 12, temperature=0, logprobs=True, kv_cache=False)
     assert cached == uncached
     for a, b in zip(lp_cached, lp_uncached):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
-    exact = build(gqa_ckpt, quantize=method)
-    previous = use_kernels(False)
-    try:
-        eager, lp_eager = exact.generate(prompts, 12, temperature=0, logprobs=True)
-    finally:
-        use_kernels(previous)
+    exact = without_kernels(build(gqa_ckpt, quantize=method))
+    eager, lp_eager = exact.generate(prompts, 12, temperature=0, logprobs=True)
     assert cached == eager
     for a, b in zip(lp_cached, lp_eager):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
@@ -340,12 +340,10 @@ def test_compiled_bf16_step_calls_the_kernels_and_stays_within_bf16_of_float32(g
     stay within bf16's tolerance of the float32 model of the same weights."""
     compiled = build(gqa_ckpt, quantize=method, compile=True, dtype="bfloat16")
     layer = compiled.model.layers[0].feed_forward.w1
-    available = kernels_ok(torch.zeros(1, dtype=torch.bfloat16),
-                           hasattr(torch.ops.aten, "_weight_int8pack_mm" if method == "int8" else "_weight_int4pack_mm_for_cpu"))
     if method == "int4":
-        assert layer.layout == ("kernel" if available else "halves")
+        assert type(layer) is (Int4KernelLinear if HAS_INT4_KERNEL else Int4HalvesLinear)
     else:
-        assert (layer.kernel_scales is not None) == available
+        assert type(layer) is (Int8KernelLinear if HAS_INT8_KERNEL else Int8ReductionLinear)
     reference = _dequantized_float_model(compiled.model).float()
     tokens = torch.randint(0, reference.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():

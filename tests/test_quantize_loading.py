@@ -177,7 +177,7 @@ def test_a_bf16_checkpoint_whose_float32_copy_cannot_fit_runs_in_bf16_with_a_not
     monkeypatch.setattr(weights, "available_memory", lambda device: (need16 + need32) // 2)
     llama = build(bf16_tiny, dtype=None)
     assert llama.model.tok_embeddings.weight.dtype == torch.bfloat16
-    assert len(llama.load_notes) == 1 and "runs in bfloat16" in llama.load_notes[0]
+    assert len(llama.info.notes) == 1 and "runs in bfloat16" in llama.info.notes[0]
     with pytest.raises(LlamaError, match="the model's weights in float32 needs .* GiB on cpu but only"):
         build(bf16_tiny, dtype="float32")  # an explicit dtype still wins, and is refused before loading
     monkeypatch.setattr(weights, "available_memory", lambda device: need16 // 2)
@@ -188,9 +188,9 @@ def test_a_bf16_checkpoint_whose_float32_copy_cannot_fit_runs_in_bf16_with_a_not
 
 @pytest.mark.parametrize("free_gib,fits", [
     (30, None),  # float32 (about 25 GiB with loading's peak) fits
-    (20, ["--dtype bfloat16", "--quantize int8 --dtype bfloat16", "--quantize int4 --dtype bfloat16"]),
-    (10, ["--quantize int8 --dtype bfloat16", "--quantize int4 --dtype bfloat16"]),
-    (6, ["--quantize int4 --dtype bfloat16"]),
+    (20, ["dtype=bfloat16", "quantize=int8 dtype=bfloat16", "quantize=int4 dtype=bfloat16"]),
+    (10, ["quantize=int8 dtype=bfloat16", "quantize=int4 dtype=bfloat16"]),
+    (6, ["quantize=int4 dtype=bfloat16"]),
     (3, []),
 ])
 def test_a_model_too_big_is_refused_naming_what_would_fit(monkeypatch, free_gib, fits):
@@ -210,7 +210,7 @@ def test_a_model_too_big_is_refused_naming_what_would_fit(monkeypatch, free_gib,
         weights.choose_dtype(None, args, {}, torch.float32, True, torch.device("cpu"), 1)
     message = str(error.value)
     assert message.startswith("the model's weights in float32 needs ")
-    named = re.findall(r"(--[a-z0-9 -]+?) \([0-9.]+ GiB\)", message)
+    named = re.findall(r"((?:[a-z_]+=[a-z0-9]+ ?)+) \([0-9.]+ GiB\)", message)
     assert named == fits, message
     if not fits:
         assert "nothing smaller fits" in message
@@ -218,4 +218,4 @@ def test_a_model_too_big_is_refused_naming_what_would_fit(monkeypatch, free_gib,
 
 def test_a_bf16_checkpoint_that_fits_in_float32_runs_in_float32_without_a_note(bf16_tiny):
     llama = build(bf16_tiny, dtype=None)
-    assert llama.model.tok_embeddings.weight.dtype == torch.float32 and llama.load_notes == []
+    assert llama.model.tok_embeddings.weight.dtype == torch.float32 and llama.info.notes == []

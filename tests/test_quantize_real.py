@@ -86,7 +86,7 @@ def file_quantized(tmp_path_factory):
 def test_the_models_own_quantized_blocks_give_the_float_models_logits(ckpt_dir, file_quantized):
     """Held as int4/int8 they are the very values the float checkpoint holds widened: only the order of the
     additions differs (float32 rounding on logits of magnitude ~20)."""
-    assert file_quantized.quantization == "mixed"
+    assert file_quantized.info.quantization == "mixed"
     widened = Llama.build(ckpt_dir, max_seq_len=128, max_batch_size=1, device="cpu", dtype="float32")
     ids = torch.tensor([widened.tokenizer.encode(PROMPTS[2], bos=True, eos=False)])
     with torch.inference_mode():

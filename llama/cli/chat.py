@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from llama.chat_format import has_special_tags
-from llama.cli.common import fail, run
+from llama.cli.common import as_flags, fail, run
 from llama.cli.loading import build_from_flags, is_main_rank
 from llama.cli.streaming import TextStream
 from llama.conversation import Conversation
@@ -27,7 +27,7 @@ def _read_line(llama) -> Optional[str]:
             line = None
         except UnicodeDecodeError:
             fail("the input is not UTF-8 text")
-    if llama.world_size > 1:
+    if llama.info.world_size > 1:
         import torch.distributed as dist
 
         box = [line]
@@ -92,7 +92,7 @@ def main(
     if session is not None:
         check_writable(Path(str(session)))
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile, quantize)
-    if session is not None and llama.world_size > 1:
+    if session is not None and llama.info.world_size > 1:
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)
     chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache)
@@ -104,7 +104,7 @@ def main(
             if system and n and chat.start != [{"role": "system", "content": str(system)}]:
                 print("(the resumed conversation keeps its own system prompt; --system is not used)", file=sys.stderr)
         except PromptCacheError as e:
-            print(f"note: {e}; starting a new conversation, which will replace it", file=sys.stderr)
+            print(f"note: {as_flags(str(e))}; starting a new conversation, which will replace it", file=sys.stderr)
     if main_rank and sys.stdin.isatty():
         print(HELP, file=sys.stderr)
 
@@ -130,7 +130,7 @@ def main(
             turn = chat.prepare(line)
         except LlamaError as e:
             if main_rank:
-                print(f"({e})", file=sys.stderr)
+                print(f"({as_flags(str(e))})", file=sys.stderr)
             continue
         if turn.dropped and main_rank:
             print(f"(the conversation no longer fits --max-seq-len {max_seq_len}: dropped the oldest "

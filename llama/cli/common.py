@@ -3,6 +3,7 @@
 import functools
 import inspect
 import os
+import re
 import sys
 import traceback
 from typing import Callable, List, NoReturn, Sequence
@@ -15,9 +16,27 @@ EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
+# The library names its parameters (`dtype=bfloat16`, `compile=True`, `quantize=`); on the command line the
+# same words are flags. Only these names are rewritten, so other text that holds "=" is left alone.
+_PARAMETERS = ("dtype", "quantize", "compile", "dequantize", "overwrite", "max_seq_len", "max_gen_len",
+               "max_batch_size", "ctx", "device", "tokenizer_path", "temperature", "top_p", "kv_cache")
+_PARAMETER = re.compile(r"\b(" + "|".join(_PARAMETERS) + r")=(True\b|[^\s,;:)]*)")
+
+
+def as_flags(message: str) -> str:
+    """A library message in the command line's terms: `dtype=bfloat16` -> `--dtype bfloat16`,
+    `compile=True` -> `--compile`, `quantize=` -> `--quantize`."""
+
+    def flag(match: re.Match) -> str:
+        name, value = "--" + match.group(1).replace("_", "-"), match.group(2)
+        return name if value in ("", "True") else f"{name} {value}"
+
+    return _PARAMETER.sub(flag, message)
+
+
 def fail(message: str) -> NoReturn:
-    """Print `message` as the command's one-line error and exit non-zero."""
-    print(f"error: {message}", file=sys.stderr)
+    """Print `message` as the command's one-line error (in its flags' terms) and exit non-zero."""
+    print(f"error: {as_flags(message)}", file=sys.stderr)
     sys.exit(EXIT_ERROR)
 
 

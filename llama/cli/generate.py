@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from llama.cli.common import fail, run
+from llama.cli.common import as_flags, fail, run
 from llama.cli.loading import build_from_flags, is_main_rank
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
@@ -114,7 +114,7 @@ def main(
         check_writable(Path(str(prompt_cache)))
 
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile, quantize)
-    if prompt_cache is not None and llama.world_size > 1:
+    if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")
     tokenizer = llama.tokenizer
     prompt_tokens = [tokenizer.encode(p, bos=True, eos=False) for p in prompts]
@@ -173,8 +173,8 @@ def main(
         generated = [len(t) - (len(p) if echo else 0) for t, p in zip(out_tokens, prompt_tokens)]
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
-            f"compiled:        {f'yes, in {llama.compile_seconds:.1f} s' if compile else 'no'}",
-            f"weights:         {llama.quantization or str(llama.model.tok_embeddings.weight.dtype).removeprefix('torch.')}",
+            f"compiled:        {f'yes, in {llama.info.compile_seconds:.1f} s' if compile else 'no'}",
+            f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}",
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
             f"generated:       {sum(generated)} tokens",
             f"prefill:         {timings['prefill_s'] * 1000:.1f} ms (to the first new token)",
@@ -205,7 +205,7 @@ class PromptCacheFile:
                 self.loaded = list(self.session.tokens)
             except PromptCacheError as e:
                 if is_main_rank(llama):
-                    print(f"note: ignoring the prompt cache: {e}; it will be replaced", file=sys.stderr)
+                    print(f"note: ignoring the prompt cache: {as_flags(str(e))}; it will be replaced", file=sys.stderr)
         self.load_s = time.perf_counter() - start
 
     def store(self, prompt: List[int]) -> None:

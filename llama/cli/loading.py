@@ -5,23 +5,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from llama.cli.common import as_flags
 from llama.cli.progress import ProgressPrinter
-
-from llama.errors import LlamaError
+from llama.download import default_model_dir
 from llama.generation import Llama
 
 
 def default_ckpt_dir() -> str:
     """The default model's checkpoint directory, fetched and converted on first use (progress on stderr)."""
-    try:
-        from llama.download import default_model_dir
-    except ImportError:
-        raise LlamaError(
-            "no --ckpt-dir given and this version has no default model; write a test checkpoint with "
-            "`python scripts/write_random_checkpoint.py DIR` or pass a LLaMA checkpoint directory"
-        ) from None
-    from llama.cli.progress import ProgressPrinter
-
     return str(default_model_dir(fetch=True, progress=ProgressPrinter(prefix="llama-download: ")))
 
 
@@ -45,8 +36,8 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         progress=ProgressPrinter() if _is_big(ckpt_dir) and os.environ.get("RANK", "0") == "0" else None,
     )
     if is_main_rank(llama):  # every rank loads alike; one copy of each note is enough
-        for note in llama.load_notes:
-            print(f"note: {note}", file=sys.stderr, flush=True)
+        for note in llama.info.notes:
+            print(f"note: {as_flags(note)}", file=sys.stderr, flush=True)
     return llama
 
 
@@ -59,4 +50,4 @@ def _is_big(ckpt_dir: Optional[str]) -> bool:
 
 def is_main_rank(llama: Llama) -> bool:
     """Under torchrun every rank computes the same tokens; only rank 0 prints them."""
-    return llama.rank == 0
+    return llama.info.rank == 0

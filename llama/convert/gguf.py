@@ -73,7 +73,7 @@ def read_gguf(src: Path, dequantize: bool = False, quantize: Optional[str] = Non
     check_gguf_structure(src)
     check_method(quantize)
     if dequantize and quantize:
-        raise LlamaError("--dequantize and --quantize contradict each other; pass one")
+        raise LlamaError("dequantize=True and quantize= contradict each other; pass one")
     try:
         return _read_gguf(src, gguf, dequantize, quantize, notice, progress)
     except LlamaError:
@@ -117,7 +117,7 @@ def _read_gguf(src: Path, gguf: Any, dequantize: bool, quantize: Optional[str], 
                 parts = keep_quantized(type_name, tensor.data, shape, lambda: _to_torch(tensor, src, gguf))
                 fate = kept_as[2] if parts is not None else "dequantized to float32 (a scale beyond float16's range)"
             if parts is None and quantize is not None:
-                parts = quantize_tensor(_to_torch(tensor, src, gguf), quantize)
+                parts = quantize_tensor(_to_torch(tensor, src, gguf), quantize, name)
                 fate = f"quantized to {quantize}"
         if parts is not None:
             add_quantized(state_dict, name, parts)
