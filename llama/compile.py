@@ -22,7 +22,7 @@ from llama.model import Transformer
 Step = Callable[[torch.Tensor, int, Optional[List[KVCache]], Optional[int]], torch.Tensor]
 
 # Sources (the compiled forward's arguments, as Dynamo names them) whose values change from step to step.
-# Left static, each new value would trigger a compilation: about half a minute each on a 2-core CPU.
+# Left static, each new value would trigger a compilation, each of them slow (docs/benchmarks.md).
 _DYNAMIC_SOURCES = ",".join([
     re.escape("L['start_pos']"),
     re.escape("L['tokens']") + ":1",  # the prefix fed without a cache (1 with it, which stays static)
@@ -60,10 +60,10 @@ def compile_step(model: Transformer) -> Step:
     choose_layer_classes(model, compiled=True)
     compiled = torch.compile(model, fullgraph=True)
     _quiet_inductor()
-    # On the CPU the step's kernels are called from generated C++ rather than Python: measured on a 2-core
-    # Xeon (scripts/compare_compiled.py), 6-15% more tokens/s, the most where the step is shortest, for about
-    # twice the first compilation (115 against 50 s for int8; the same 11 s once Inductor has it on disk).
-    # LLAMA_COMPILE_CPP_WRAPPER=0 turns it off, to measure the difference or to work around a torch bug.
+    # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
+    # where the step is shortest, for a longer first compilation (scripts/compare_compiled.py; figures in
+    # docs/benchmarks.md). LLAMA_COMPILE_CPP_WRAPPER=0 turns it off, to measure the difference or to work
+    # around a torch bug.
     cpp_wrapper = (model.device.type == "cpu"
                    and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
 

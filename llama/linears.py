@@ -18,7 +18,10 @@ calls `choose_layer_classes` once. Every quantized class's `state_dict()` is the
     Int4HalvesLinear    a group's first half low, second high   the compiled reduction (GGUF's Q4 order)
 
 Every class multiplies by the same values: widening is the exact float model of the dequantized weights,
-and each faster path is tested against it. What each path measured: docs/benchmarks.md (issue 12).
+and each faster path is tested against it. torch's kernels are chosen for bf16 activations only: fed
+float32 they are scalar loops (the int8 one is still worth it at a few rows), and rounding activations to
+bf16 for them would let cached and uncached float32 runs differ. What each path measured:
+docs/benchmarks.md, "Figures behind the code".
 """
 
 from typing import Dict, List, Optional, Tuple, Type

@@ -188,8 +188,8 @@ class Transformer(nn.Module):
         """Store each projection with more outputs than inputs transposed in memory (same values, same names).
 
         On the CPU, decoding multiplies one row of activations by each weight matrix, and MKL's kernel for
-        that runs about twice as fast (measured: 17 against 9 GB/s for the 49152 x 576 output layer) when a
-        wide matrix is laid out input-major. F.linear accepts the transposed view as it is, so forward and
+        that runs about twice as fast when a wide matrix is laid out input-major (docs/benchmarks.md,
+        "Figures behind the code"). F.linear accepts the transposed view as it is, so forward and
         state_dict() are unchanged; narrow matrices are faster as they are and stay.
         """
         for module in self.modules():

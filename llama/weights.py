@@ -3,7 +3,7 @@
 Each tensor is read from the memory-mapped file, converted to what the model holds (its dtype and device,
 quantized, or laid out input-major), assigned, and its pages of the file are handed back to the kernel
 before the next one is read. The peak is therefore the model as it will run plus one tensor in flight,
-never the whole checkpoint twice: 13.5 GB of bf16 7B weights no longer need 23.7 GB to load.
+never the whole checkpoint twice (docs/benchmarks.md has a 7B load's peak, before and after).
 
 Pages of a memory-mapped file count as resident once touched. A tensor that is used as it lies in the file
 (same dtype, same layout) keeps its pages; one that is converted has them released with
@@ -81,8 +81,8 @@ def peak_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dtyp
     if plan:
         in_flight = max(in_flight, _QUANTIZE_SCRATCH + largest * stored_itemsize)
     model = model_bytes(full_shapes, plan, dtype, world_size)
-    # Allocator slack and re-packing: measured peaks of 7B and 13B loads ran up to 0.5 GiB (6% of the model)
-    # past the two terms above (docs/benchmarks.md).
+    # Allocator slack and re-packing: the measured peaks of 7B and 13B loads ran past the two terms above by
+    # less than this (docs/benchmarks.md, "Figures behind the code").
     return model + in_flight + model // 16 + 256 * 2**20
 
 

@@ -353,3 +353,27 @@ def test_compiled_bf16_step_calls_the_kernels_and_stays_within_bf16_of_float32(g
         steps += [compiled.compiled_step(tokens[:, i:i + 1], i, cache, num_logits=1) for i in range(4, 20)]
     got = torch.cat(steps, dim=1).float()
     assert ((got - want[:, 3:]).norm() / want[:, 3:].norm()).item() < 2e-2
+
+
+def test_loading_and_converting_group_a_width_32_does_not_divide_alike(tmp_path):
+    """A feed-forward width of 200 is not a multiple of 32: w2 gets groups of 8 (the largest that divides it),
+    whether the model is quantized while loading or by llama-convert --quantize, and the two hold the same
+    tensors."""
+    from llama.convert.quantize import convert_meta
+
+    ckpt, _ = write_tiny(tmp_path / "wide", hidden_dim=200)
+    loaded = build(ckpt, quantize="int4")
+    assert loaded.info.quantization == "mixed"
+    assert loaded.model.layers[0].feed_forward.w2.group_size == 8
+    assert loaded.model.layers[0].feed_forward.w1.group_size == 32
+    converted = build(convert_meta(ckpt, tmp_path / "q", "int4"))
+    assert converted.info.quantization == "mixed"
+    state = converted.model.state_dict()
+    for name, tensor in loaded.model.state_dict().items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_an_odd_width_cannot_be_int4_and_says_what_can(tmp_path):
+    ckpt, _ = write_tiny(tmp_path / "odd", hidden_dim=199)
+    with pytest.raises(LlamaError, match="has 199 input columns; use quantize=int8"):
+        build(ckpt, quantize="int4")

@@ -1,4 +1,4 @@
-"""What every command shares: one-line errors instead of tracebacks, and exit statuses."""
+"""What every command shares: one-line errors instead of tracebacks, flags in place of parameter names, and exit statuses."""
 
 import functools
 import inspect

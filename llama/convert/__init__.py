@@ -1,0 +1,1 @@
+"""Other formats into Meta's checkpoint layout: GGUF files, Hugging Face folders, and quantized checkpoints."""
