@@ -1,0 +1,115 @@
+"""Integer dot-product kernels for int8 and int4 weights on x86 CPUs: ops of a small C++ extension built at first use.
+
+`load()` builds (once per version, torch and CPU; llama/kernels/build.py) and loads the extension, whose ops
+live in `torch.ops.llama_kv` and are registered with fake implementations here, so `torch.compile` traces
+them as it does torch's own. The layer classes that call them are in llama/linears.py; the C++ is under
+`csrc/`, one file per job, with the scalar loop every SIMD path must equal in `dot_scalar.cpp`.
+
+Which instruction path runs is chosen from the CPU's flags when the library loads (the best of AVX-512 VNNI,
+AVX-VNNI, AVX2, scalar); `LLAMA_KERNEL_PATH` or `options(path=...)` forces one the CPU has, as the tests do.
+"""
+
+import os
+from contextlib import contextmanager
+from typing import Iterator, List, Optional
+
+import torch
+
+from llama.progress import Progress
+
+PATHS = ("scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512vnni")  # in the library's numbering
+PATH_ENV = "LLAMA_KERNEL_PATH"
+QK = 32  # values per block, of activations and weights
+ROWS = 8  # weight rows interleaved in a group
+
+_state = {"loaded": False, "reason": None}
+
+
+def load(progress: Optional[Progress] = None) -> bool:
+    """Build (first time only) and load the kernels; False if they cannot be had here (`unavailable_reason` says why).
+
+    Args:
+        progress: told ("building the int8/int4 kernels ...", 0, 1) and (..., 1, 1) around a build.
+    """
+    if _state["loaded"] or _state["reason"] is not None:
+        return _state["loaded"]
+    from llama.kernels.build import Unavailable, build_and_load
+
+    try:
+        build_and_load(progress)
+    except Unavailable as e:
+        _state["reason"] = str(e)
+        return False
+    _register_fakes()
+    _state["loaded"] = True
+    forced = os.environ.get(PATH_ENV)
+    if forced:
+        set_options(path=forced)
+    return True
+
+
+def available() -> bool:
+    """Whether the kernels are loaded, loading (and if need be building) them at the first call."""
+    return load()
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the kernels cannot run here, in a few words; None if they can (or have not been tried)."""
+    return _state["reason"]
+
+
+def cpu_paths() -> List[str]:
+    """The instruction paths this CPU runs, from the plainest up (the emulated VNNI path is for tests)."""
+    return [PATHS[p] for p in torch.ops.llama_kv.cpu_paths()]
+
+
+def best_path() -> str:
+    return [p for p in cpu_paths() if p != "avxvnni-emulated"][-1]
+
+
+def set_options(path: Optional[str] = None, gemm_min_rows: Optional[int] = None) -> dict:
+    """Force an instruction path (None: the CPU's best) and the row count from which products dequantize and
+    call torch's GEMM; returns the options before."""
+    old_path, old_rows = torch.ops.llama_kv.set_options(-1, 1)
+    if path is not None and path not in PATHS:
+        torch.ops.llama_kv.set_options(old_path, old_rows)
+        raise ValueError(f"unknown kernel path {path!r}; choose one of {', '.join(PATHS)}")
+    torch.ops.llama_kv.set_options(-1 if path is None else PATHS.index(path), gemm_min_rows or old_rows)
+    return {"path": None if old_path < 0 else PATHS[old_path], "gemm_min_rows": old_rows}
+
+
+@contextmanager
+def options(path: Optional[str] = None, gemm_min_rows: Optional[int] = None) -> Iterator[None]:
+    """`set_options` for the duration of a `with` block (tests force each path this way)."""
+    old = set_options(path, gemm_min_rows)
+    try:
+        yield
+    finally:
+        set_options(**old)
+
+
+def _register_fakes() -> None:
+    """Shapes and dtypes of each op's results without computing them, for torch.compile's tracing."""
+    lib = "llama_kv::"
+
+    @torch.library.register_fake(lib + "q8_0_linear")
+    def _(x, weight, scales, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake(lib + "q4_1_linear")
+    def _(x, weight, scales, mins, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake(lib + "quantize_activations")
+    def _(x):
+        rows, k = x.shape[:-1].numel(), x.shape[-1]
+        return (x.new_empty((rows, k), dtype=torch.int8), x.new_empty((rows, k // QK), dtype=torch.float32),
+                x.new_empty((rows, k // QK), dtype=torch.int32))
+
+    @torch.library.register_fake(lib + "dequantize_q8_0")
+    def _(weight, scales, out_features):
+        return weight.new_empty((out_features, weight.shape[1] * QK), dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "dequantize_q4_1")
+    def _(weight, scales, mins, out_features):
+        return weight.new_empty((out_features, weight.shape[1] * QK), dtype=torch.float32)

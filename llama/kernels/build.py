@@ -1,0 +1,101 @@
+"""Building the integer kernels' C++ extension at first use, cached under $LLAMA_HOME by torch version and CPU.
+
+The sources under `csrc/` are compiled once by `torch.utils.cpp_extension.load` (the compiler that
+`--compile` already relies on, driven by ninja) into `$LLAMA_HOME/kernels/torch-<version>-<cpu>/`; the
+library's name carries a digest of the sources, so a changed kernel builds anew and an unchanged one is
+loaded in milliseconds. Every instruction path is compiled into the one library with function-level
+targets, and the CPU's flags choose among them when it runs.
+"""
+
+import hashlib
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from llama.paths import home_dir
+from llama.progress import Progress, or_silent, step
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp")
+BUILD_NOTE = "building the int8/int4 kernels (once, a minute or two)"
+# The CPU flags that name the cache directory: the paths the library may take here.
+_KEY_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+class Unavailable(Exception):
+    """The kernels cannot be built or loaded here; the message says what is missing, in a few words."""
+
+
+def missing() -> Optional[str]:
+    """What this machine lacks to build the kernels (an x86 CPU, a C++ compiler, ninja), or None."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return f"they are written for x86 CPUs, and this one is {machine or 'unknown'}"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler was found ({compiler}; set CXX to name one)"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja, which builds them, is not installed (pip install ninja)"
+    return None
+
+
+def cpu_key() -> str:
+    """The machine and its SIMD flags that matter here, e.g. "x86_64-avx2-f16c-fma"."""
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return "-".join([platform.machine().lower()] + sorted(flags & set(_KEY_FLAGS)))
+
+
+def source_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    return home_dir() / "kernels" / f"torch-{torch.__version__}-{cpu_key()}"
+
+
+def build_and_load(progress: Optional[Progress] = None) -> Path:
+    """Build the library if this version of the sources has not been built here, and load its ops into torch.
+
+    Returns:
+        the library's path.
+
+    Raises:
+        Unavailable: no x86 CPU, compiler or ninja, or the build failed (with its first error line).
+    """
+    reason = missing()
+    if reason:
+        raise Unavailable(reason)
+    name = f"llama_kv_kernels_{source_digest()}"
+    directory = build_dir()
+    library = directory / f"{name}.so"
+    if not library.exists():
+        from torch.utils.cpp_extension import load
+
+        directory.mkdir(parents=True, exist_ok=True)
+        flags = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
+        try:
+            with step(or_silent(progress), BUILD_NOTE):
+                load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                     build_directory=str(directory), is_python_module=False, verbose=False)
+            return library  # load() has loaded it
+        except Exception as e:  # a compiler's failure comes as RuntimeError, CalledProcessError, OSError ...
+            lines = [line for line in str(e).splitlines() if "error" in line.lower()] or str(e).splitlines() or [type(e).__name__]
+            raise Unavailable(f"their C++ build failed ({lines[0].strip()[:200]})") from e
+    torch.ops.load_library(str(library))
+    return library

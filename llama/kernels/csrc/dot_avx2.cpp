@@ -1,0 +1,129 @@
+// AVX2 block products: int8 x int8 through maddubs with the sign trick, int4 x int8 through maddubs on the
+// unsigned nibbles. Each 32-bit lane holds one weight row, so each row's sums are the scalar loop's.
+//
+// maddubs multiplies unsigned by signed bytes and adds pairs into int16 with saturation. int8 weights are
+// signed, so it gets |w| and the activation with w's sign (sign_epi8): a pair is at most 2 * 128 * 127 =
+// 32512, below the saturation at 32767 (activations are -127..127, never -128). int4 values are 0..15: a
+// pair is at most 2 * 15 * 127 = 3810, so a block's eight int16 partial sums stay below 30480 and can be
+// added in int16 before one widening.
+#include <cstring>
+
+#include "kernels.h"
+
+namespace llama_kv {
+
+#if LLAMA_KV_X86
+namespace {
+
+LK_AVX2 inline __m256i broadcast_word(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, 4);
+  return _mm256_set1_epi32(word);
+}
+
+LK_AVX2 inline __m256 halves8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// One group (8 rows) against MT activation rows: out[m][r].
+template <int MT>
+LK_AVX2 void q8_0_group(const int8_t* wg, const uint16_t* sg, int64_t nb, const ActRow* act, float (*out)[ROWS]) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; b++) {
+    const int8_t* wb = wg + b * Q8_BLOCK_BYTES;
+    __m256i isum[MT];
+    for (int m = 0; m < MT; m++) isum[m] = _mm256_setzero_si256();
+    for (int j = 0; j < QK / 4; j++) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int m = 0; m < MT; m++) {
+        const __m256i a = broadcast_word(act[m].q + b * QK + 4 * j);
+        const __m256i pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w));
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+    const __m256 dw = halves8(sg + b * ROWS);
+    for (int m = 0; m < MT; m++)
+      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(act[m].d[b])), _mm256_cvtepi32_ps(isum[m]), acc[m]);
+  }
+  for (int m = 0; m < MT; m++) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+template <int MT>
+LK_AVX2 void q4_1_group(const uint8_t* wg, const uint16_t* sg, const uint16_t* mg, int64_t nb, const ActRow* act,
+                        float (*out)[ROWS]) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* wb = wg + b * Q4_BLOCK_BYTES;
+    __m256i sum16[MT];
+    for (int m = 0; m < MT; m++) sum16[m] = _mm256_setzero_si256();
+    for (int p = 0; p < QK / 8; p++) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * p));
+      const __m256i low = _mm256_and_si256(packed, nibble);                         // columns 4p .. 4p + 3
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);  // columns 16 + 4p ..
+      for (int m = 0; m < MT; m++) {
+        const int8_t* a = act[m].q + b * QK + 4 * p;
+        sum16[m] = _mm256_add_epi16(sum16[m], _mm256_maddubs_epi16(low, broadcast_word(a)));
+        sum16[m] = _mm256_add_epi16(sum16[m], _mm256_maddubs_epi16(high, broadcast_word(a + QK / 2)));
+      }
+    }
+    const __m256 dw = halves8(sg + b * ROWS), mw = halves8(mg + b * ROWS);
+    for (int m = 0; m < MT; m++) {
+      const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[m], ones));
+      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(act[m].d[b])), isum, acc[m]);
+      acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(act[m].s[b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; m++) _mm256_storeu_ps(out[m], acc[m]);
+}
+
+}  // namespace
+
+LK_GEMV_Q8_0(gemv_q8_0_avx2) {
+  float tile[MAX_TILE][ROWS];
+  for (int64_t g = g0; g < g1; g++) {
+    const int8_t* wg = w + g * nb * Q8_BLOCK_BYTES;
+    const uint16_t* sg = scales + g * nb * ROWS;
+    for (int64_t m = 0; m < M; m += MAX_TILE) {
+      const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
+      switch (mt) {
+        case 1: q8_0_group<1>(wg, sg, nb, act + m, tile); break;
+        case 2: q8_0_group<2>(wg, sg, nb, act + m, tile); break;
+        case 3: q8_0_group<3>(wg, sg, nb, act + m, tile); break;
+        default: q8_0_group<4>(wg, sg, nb, act + m, tile); break;
+      }
+      for (int64_t i = 0; i < mt; i++) store_rows(tile[i], ROWS, y + (m + i) * out_features, g * ROWS, out_features);
+    }
+  }
+}
+
+LK_GEMV_Q4_1(gemv_q4_1_avx2) {
+  float tile[MAX_TILE][ROWS];
+  for (int64_t g = g0; g < g1; g++) {
+    const uint8_t* wg = w + g * nb * Q4_BLOCK_BYTES;
+    const uint16_t* sg = scales + g * nb * ROWS;
+    const uint16_t* mg = mins + g * nb * ROWS;
+    for (int64_t m = 0; m < M; m += MAX_TILE) {
+      const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
+      switch (mt) {
+        case 1: q4_1_group<1>(wg, sg, mg, nb, act + m, tile); break;
+        case 2: q4_1_group<2>(wg, sg, mg, nb, act + m, tile); break;
+        case 3: q4_1_group<3>(wg, sg, mg, nb, act + m, tile); break;
+        default: q4_1_group<4>(wg, sg, mg, nb, act + m, tile); break;
+      }
+      for (int64_t i = 0; i < mt; i++) store_rows(tile[i], ROWS, y + (m + i) * out_features, g * ROWS, out_features);
+    }
+  }
+}
+
+#else
+LK_GEMV_Q8_0(gemv_q8_0_avx2) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q4_1(gemv_q4_1_avx2) { gemv_q4_1_scalar(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+#endif
+
+}  // namespace llama_kv

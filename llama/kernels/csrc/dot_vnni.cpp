@@ -1,0 +1,191 @@
+// VNNI block products (vpdpbusd: four u8 x s8 products into each int32 lane): AVX-VNNI at 256 bits, the same
+// code with vpdpbusd emulated in AVX2 (a test path), and AVX-512 VNNI, which takes two groups (16 rows) per
+// 512-bit vector. Each lane holds one weight row and does the scalar loop's operations in its order.
+#include <cstring>
+
+#include "kernels.h"
+
+namespace llama_kv {
+
+#if LLAMA_KV_X86
+
+// vpdpbusd in AVX2: bytes widened to 16 bits (u zero-extended, s sign-extended), even and odd bytes apart,
+// multiplied and added in pairs by madd_epi16 (products of at most 255 * 128 fit its int16 x int16 -> int32).
+LK_AVX2 inline __m256i dpbusd_avx2(__m256i acc, __m256i u, __m256i s) {
+  const __m256i u_even = _mm256_and_si256(u, _mm256_set1_epi16(0x00FF));
+  const __m256i u_odd = _mm256_srli_epi16(u, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8);
+  const __m256i s_odd = _mm256_srai_epi16(s, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+}
+
+namespace emulated {
+#define LK_TARGET LK_AVX2
+#define LK_DPBUSD(acc, u, s) dpbusd_avx2(acc, u, s)
+#define LK_Q8_GROUP q8_0_group
+#define LK_Q4_GROUP q4_1_group
+#define LK_Q8_GEMV gemv_q8_0
+#define LK_Q4_GEMV gemv_q4_1
+#include "vnni256.inc"
+#undef LK_TARGET
+#undef LK_DPBUSD
+#undef LK_Q8_GROUP
+#undef LK_Q4_GROUP
+#undef LK_Q8_GEMV
+#undef LK_Q4_GEMV
+}  // namespace emulated
+
+namespace avxvnni {
+#define LK_TARGET LK_AVXVNNI
+#define LK_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define LK_Q8_GROUP q8_0_group
+#define LK_Q4_GROUP q4_1_group
+#define LK_Q8_GEMV gemv_q8_0
+#define LK_Q4_GEMV gemv_q4_1
+#include "vnni256.inc"
+#undef LK_TARGET
+#undef LK_DPBUSD
+#undef LK_Q8_GROUP
+#undef LK_Q4_GROUP
+#undef LK_Q8_GEMV
+#undef LK_Q4_GEMV
+}  // namespace avxvnni
+
+LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated) { emulated::gemv_q8_0(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q4_1(gemv_q4_1_avxvnni_emulated) { emulated::gemv_q4_1(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_0_avxvnni) { avxvnni::gemv_q8_0(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q4_1(gemv_q4_1_avxvnni) { avxvnni::gemv_q4_1(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+
+// AVX-512: lanes 0-7 are the rows of group g, lanes 8-15 those of group g + 1 (zeros past the last group).
+namespace {
+
+LK_AVX512VNNI inline __m512i two_groups(const void* first, const void* second) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first));
+  const __m256i hi = second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second)) : _mm256_setzero_si256();
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+LK_AVX512VNNI inline __m512 two_groups_halves(const uint16_t* first, const uint16_t* second) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(first));
+  const __m128i hi = second ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(second)) : _mm_setzero_si128();
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+
+template <int MT>
+LK_AVX512VNNI void q8_0_pair(const int8_t* w0, const int8_t* w1, const uint16_t* s0, const uint16_t* s1, int64_t nb,
+                             const ActRow* act, float (*out)[2 * ROWS]) {
+  __m512 acc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t at = b * Q8_BLOCK_BYTES;
+    __m512i isum[MT];
+    for (int m = 0; m < MT; m++) isum[m] = _mm512_setzero_si512();
+    for (int j = 0; j < QK / 4; j++) {
+      const __m512i u = _mm512_xor_si512(two_groups(w0 + at + 32 * j, w1 ? w1 + at + 32 * j : nullptr), flip);
+      for (int m = 0; m < MT; m++) {
+        int32_t word;
+        std::memcpy(&word, act[m].q + b * QK + 4 * j, 4);
+        isum[m] = _mm512_dpbusd_epi32(isum[m], u, _mm512_set1_epi32(word));
+      }
+    }
+    const __m512 dw = two_groups_halves(s0 + b * ROWS, s1 ? s1 + b * ROWS : nullptr);
+    for (int m = 0; m < MT; m++) {
+      const __m512i exact = _mm512_sub_epi32(isum[m], _mm512_set1_epi32(128 * act[m].sum[b]));
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[b])), _mm512_cvtepi32_ps(exact), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; m++) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+template <int MT>
+LK_AVX512VNNI void q4_1_pair(const uint8_t* w0, const uint8_t* w1, const uint16_t* s0, const uint16_t* s1,
+                             const uint16_t* m0, const uint16_t* m1, int64_t nb, const ActRow* act,
+                             float (*out)[2 * ROWS]) {
+  __m512 acc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; b++) {
+    const int64_t at = b * Q4_BLOCK_BYTES;
+    __m512i isum[MT];
+    for (int m = 0; m < MT; m++) isum[m] = _mm512_setzero_si512();
+    for (int p = 0; p < QK / 8; p++) {
+      const __m512i packed = two_groups(w0 + at + 32 * p, w1 ? w1 + at + 32 * p : nullptr);
+      const __m512i low = _mm512_and_si512(packed, nibble);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      for (int m = 0; m < MT; m++) {
+        int32_t lo_word, hi_word;
+        std::memcpy(&lo_word, act[m].q + b * QK + 4 * p, 4);
+        std::memcpy(&hi_word, act[m].q + b * QK + QK / 2 + 4 * p, 4);
+        isum[m] = _mm512_dpbusd_epi32(isum[m], low, _mm512_set1_epi32(lo_word));
+        isum[m] = _mm512_dpbusd_epi32(isum[m], high, _mm512_set1_epi32(hi_word));
+      }
+    }
+    const __m512 dw = two_groups_halves(s0 + b * ROWS, s1 ? s1 + b * ROWS : nullptr);
+    const __m512 mw = two_groups_halves(m0 + b * ROWS, m1 ? m1 + b * ROWS : nullptr);
+    for (int m = 0; m < MT; m++) {
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[b])), _mm512_cvtepi32_ps(isum[m]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[m].s[b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; m++) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+}  // namespace
+
+LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) {
+  float tile[MAX_TILE][2 * ROWS];
+  for (int64_t g = g0; g < g1; g += 2) {
+    const bool pair = g + 1 < g1;
+    const int8_t* w0 = w + g * nb * Q8_BLOCK_BYTES;
+    const int8_t* w1 = pair ? w0 + nb * Q8_BLOCK_BYTES : nullptr;
+    const uint16_t* s0 = scales + g * nb * ROWS;
+    const uint16_t* s1 = pair ? s0 + nb * ROWS : nullptr;
+    for (int64_t m = 0; m < M; m += MAX_TILE) {
+      const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
+      switch (mt) {
+        case 1: q8_0_pair<1>(w0, w1, s0, s1, nb, act + m, tile); break;
+        case 2: q8_0_pair<2>(w0, w1, s0, s1, nb, act + m, tile); break;
+        case 3: q8_0_pair<3>(w0, w1, s0, s1, nb, act + m, tile); break;
+        default: q8_0_pair<4>(w0, w1, s0, s1, nb, act + m, tile); break;
+      }
+      for (int64_t i = 0; i < mt; i++)
+        store_rows(tile[i], pair ? 2 * ROWS : ROWS, y + (m + i) * out_features, g * ROWS, out_features);
+    }
+  }
+}
+
+LK_GEMV_Q4_1(gemv_q4_1_avx512vnni) {
+  float tile[MAX_TILE][2 * ROWS];
+  for (int64_t g = g0; g < g1; g += 2) {
+    const bool pair = g + 1 < g1;
+    const uint8_t* w0 = w + g * nb * Q4_BLOCK_BYTES;
+    const uint8_t* w1 = pair ? w0 + nb * Q4_BLOCK_BYTES : nullptr;
+    const uint16_t* s0 = scales + g * nb * ROWS;
+    const uint16_t* s1 = pair ? s0 + nb * ROWS : nullptr;
+    const uint16_t* m0 = mins + g * nb * ROWS;
+    const uint16_t* m1 = pair ? m0 + nb * ROWS : nullptr;
+    for (int64_t m = 0; m < M; m += MAX_TILE) {
+      const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
+      switch (mt) {
+        case 1: q4_1_pair<1>(w0, w1, s0, s1, m0, m1, nb, act + m, tile); break;
+        case 2: q4_1_pair<2>(w0, w1, s0, s1, m0, m1, nb, act + m, tile); break;
+        case 3: q4_1_pair<3>(w0, w1, s0, s1, m0, m1, nb, act + m, tile); break;
+        default: q4_1_pair<4>(w0, w1, s0, s1, m0, m1, nb, act + m, tile); break;
+      }
+      for (int64_t i = 0; i < mt; i++)
+        store_rows(tile[i], pair ? 2 * ROWS : ROWS, y + (m + i) * out_features, g * ROWS, out_features);
+    }
+  }
+}
+
+#else
+LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q4_1(gemv_q4_1_avxvnni_emulated) { gemv_q4_1_scalar(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_0_avxvnni) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q4_1(gemv_q4_1_avxvnni) { gemv_q4_1_scalar(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q4_1(gemv_q4_1_avx512vnni) { gemv_q4_1_scalar(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+#endif
+
+}  // namespace llama_kv

@@ -1,0 +1,306 @@
+// The ops torch sees (namespace llama_kv), registered once: argument checks, the instruction path chosen
+// from the CPU's flags at load, activations quantized inside each call, and the work split over output rows
+// with torch's own thread pool (at::parallel_for, so torch.set_num_threads holds).
+//
+//   quantize_activations(x) -> (q, d, sum)               x (M, K) float32 / bf16: int8 blocks, for the tests
+//   q8_0_linear(x, weight, scales, out_features)          int8 blocks of 32 (Q8_0)
+//   q4_1_linear(x, weight, scales, mins, out_features)    int4 blocks of 32 with a minimum (Q4_1; Q4_0 too)
+//   dequantize_q8_0 / dequantize_q4_1(...)                the float32 (out, K) weight
+//   cpu_paths()                                          the paths this CPU runs, as numbers (kernels.h)
+//   set_options(path, gemm_min_rows)                     force a path (-1: the best) and where products
+//                                                        switch to dequantize-then-GEMM; returns the old ones
+//
+// From gemm_min_rows activation rows on, the activations (still rounded to int8 blocks) and the weights are
+// widened to float32 and multiplied by torch's GEMM, a slice of output rows at a time: the same sum of the
+// same products, in another order, and faster there than the integer kernel (docs/benchmarks.md).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+
+#include "kernels.h"
+
+namespace llama_kv {
+
+const char* path_name(int path) {
+  static const char* names[kNumPaths] = {"scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512vnni"};
+  return path >= 0 && path < kNumPaths ? names[path] : "unknown";
+}
+
+namespace {
+
+struct CpuFlags {
+  bool avx2 = false, avxvnni = false, avx512vnni = false;
+};
+
+CpuFlags read_cpu_flags() {
+  CpuFlags f;
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+  if (!(osxsave && avx)) return f;
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  const bool ymm_state = (xcr0_lo & 0x6) == 0x6;      // the OS saves SSE and AVX registers
+  const bool zmm_state = (xcr0_lo & 0xE6) == 0xE6;    // ... and the AVX-512 ones
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+  const bool avx2 = b & (1u << 5), avx512f = b & (1u << 16), avx512bw = b & (1u << 30), avx512vl = b & (1u << 31);
+  const bool avx512_vnni = c & (1u << 11);
+  unsigned a1 = 0, b1, c1, d1;
+  const bool has_leaf_7_1 = a >= 1 && __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
+  const bool avx_vnni = has_leaf_7_1 && (a1 & (1u << 4));
+  f.avx2 = ymm_state && avx2 && fma && f16c;
+  f.avxvnni = f.avx2 && avx_vnni;
+  f.avx512vnni = f.avx2 && zmm_state && avx512f && avx512bw && avx512vl && avx512_vnni;
+#endif
+  return f;
+}
+
+const CpuFlags& cpu() {
+  static const CpuFlags flags = read_cpu_flags();
+  return flags;
+}
+
+// The paths from the best down; the emulated one is never chosen by itself (it is for tests).
+int best_path() {
+  for (int p = kNumPaths - 1; p > kScalar; p--)
+    if (p != kAvxVnniEmulated && cpu_supports(p)) return p;
+  return kScalar;
+}
+
+std::atomic<int> forced_path{-1};
+// Measured on a 2-core AVX2 EPYC (docs/benchmarks.md, "Figures behind the code"): below this many rows the
+// integer kernel is faster, from it on dequantize-then-GEMM.
+std::atomic<int64_t> gemm_min_rows{32};
+
+int active_path() {
+  const int p = forced_path.load();
+  return p >= 0 ? p : best_path();
+}
+
+struct Activations {
+  at::Tensor q, d, sum, s;
+  std::vector<ActRow> rows;
+};
+
+Activations quantize(const at::Tensor& x, int path) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  Activations a;
+  a.q = at::empty({M, K}, x.options().dtype(at::kChar));
+  a.d = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  a.sum = at::empty({M, nb}, x.options().dtype(at::kInt));
+  a.s = at::empty({M, nb}, x.options().dtype(at::kFloat));
+  int8_t* q = a.q.data_ptr<int8_t>();
+  float *d = a.d.data_ptr<float>(), *s = a.s.data_ptr<float>();
+  int32_t* sum = a.sum.data_ptr<int32_t>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* data = x.data_ptr();
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      if (bf16)
+        quantize_row_bf16(path, static_cast<const uint16_t*>(data) + m * K, K, q + m * K, d + m * nb, sum + m * nb,
+                          s + m * nb);
+      else
+        quantize_row_f32(path, static_cast<const float*>(data) + m * K, K, q + m * K, d + m * nb, sum + m * nb,
+                         s + m * nb);
+    }
+  });
+  a.rows.resize(M);
+  for (int64_t m = 0; m < M; m++) a.rows[m] = {q + m * K, d + m * nb, sum + m * nb, s + m * nb};
+  return a;
+}
+
+// x as (M, K), contiguous, with K a whole number of blocks.
+at::Tensor rows_of(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": activations must be on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": activations must be float32 or bfloat16, not ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % QK == 0, op, ": the last dimension (", x.size(-1),
+              ") must be a multiple of ", QK);
+  return x.reshape({-1, x.size(-1)}).contiguous();
+}
+
+void check_weight(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor* mins, int64_t K,
+                  int64_t out_features, at::ScalarType dtype, int64_t block_bytes, const char* op) {
+  const int64_t groups = (out_features + ROWS - 1) / ROWS, nb = K / QK;
+  TORCH_CHECK(weight.scalar_type() == dtype && weight.is_contiguous() &&
+                  weight.sizes() == at::IntArrayRef({groups, nb, block_bytes}),
+              op, ": weight must be contiguous ", dtype, " of shape (", groups, ", ", nb, ", ", block_bytes,
+              "), not ", weight.scalar_type(), " ", weight.sizes());
+  for (const at::Tensor* t : {&scales, mins}) {
+    if (!t) continue;
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() &&
+                    t->sizes() == at::IntArrayRef({groups, nb, ROWS}),
+                op, ": scales and mins must be contiguous float16 of shape (", groups, ", ", nb, ", ", ROWS, ")");
+  }
+}
+
+at::Tensor output_like(const at::Tensor& x, const at::Tensor& y) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = y.size(1);
+  return (x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type())).view(shape);
+}
+
+// Work in slices of whole groups of at least this many weight bytes per thread, so that small layers do not
+// pay for waking threads they do not need.
+constexpr int64_t kMinBytesPerTask = 1 << 15;
+
+// Dequantize-then-GEMM: the quantized activations widened (q * d), times the widened weight, a slice of
+// groups at a time (64 groups = 512 rows: a few MB of float32 scratch).
+template <typename Dequantize>
+at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, Dequantize dequantize_groups) {
+  const int64_t M = a.q.size(0), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
+  const at::Tensor xf = (a.q.to(at::kFloat).view({M, nb, QK}) * a.d.unsqueeze(-1)).view({M, K});
+  at::Tensor y = at::empty({M, out_features}, xf.options());
+  constexpr int64_t kSlice = 64;
+  at::Tensor wf = at::empty({kSlice * ROWS, K}, xf.options());
+  for (int64_t g = 0; g < groups; g += kSlice) {
+    const int64_t n = std::min(kSlice, groups - g), rows = std::min(n * ROWS, out_features - g * ROWS);
+    float* out = wf.data_ptr<float>();
+    at::parallel_for(g, g + n, 1, [&](int64_t s, int64_t e) { dequantize_groups(s, e, out + (s - g) * ROWS * K); });
+    y.narrow(1, g * ROWS, rows).copy_(at::mm(xf, wf.narrow(0, 0, rows).t()));
+  }
+  return y;
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
+  const at::Tensor x = rows_of(x_in, "q8_0_linear");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
+  check_weight(weight, scales, nullptr, K, out_features, at::kChar, Q8_BLOCK_BYTES, "q8_0_linear");
+  const int path = active_path();
+  const Activations a = quantize(x, path);
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  if (M >= gemm_min_rows.load()) {
+    return output_like(x_in, gemm(a, K, out_features, [&](int64_t g0, int64_t g1, float* out) {
+      dequantize_q8_0(w, sc, nb, g0, g1, out);
+    }));
+  }
+  at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const ActRow* rows = a.rows.data();
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / (nb * Q8_BLOCK_BYTES));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    switch (path) {
+      case kAvx512Vnni: gemv_q8_0_avx512vnni(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
+      case kAvxVnni: gemv_q8_0_avxvnni(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
+      case kAvxVnniEmulated: gemv_q8_0_avxvnni_emulated(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
+      case kAvx2: gemv_q8_0_avx2(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
+      default: gemv_q8_0_scalar(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
+    }
+  });
+  return output_like(x_in, y);
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales,
+                       const at::Tensor& mins, int64_t out_features) {
+  const at::Tensor x = rows_of(x_in, "q4_1_linear");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
+  check_weight(weight, scales, &mins, K, out_features, at::kByte, Q4_BLOCK_BYTES, "q4_1_linear");
+  const int path = active_path();
+  const Activations a = quantize(x, path);
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  const uint16_t* mn = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
+  if (M >= gemm_min_rows.load()) {
+    return output_like(x_in, gemm(a, K, out_features, [&](int64_t g0, int64_t g1, float* out) {
+      dequantize_q4_1(w, sc, mn, nb, g0, g1, out);
+    }));
+  }
+  at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  const ActRow* rows = a.rows.data();
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / (nb * Q4_BLOCK_BYTES));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    switch (path) {
+      case kAvx512Vnni: gemv_q4_1_avx512vnni(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
+      case kAvxVnni: gemv_q4_1_avxvnni(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
+      case kAvxVnniEmulated: gemv_q4_1_avxvnni_emulated(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
+      case kAvx2: gemv_q4_1_avx2(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
+      default: gemv_q4_1_scalar(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
+    }
+  });
+  return output_like(x_in, y);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_in) {
+  const at::Tensor x = rows_of(x_in, "quantize_activations");
+  const Activations a = quantize(x, active_path());
+  return {a.q, a.d, a.sum};
+}
+
+at::Tensor dequantize_q8_0_op(const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
+  const int64_t nb = weight.size(1), K = nb * QK, groups = weight.size(0);
+  check_weight(weight, scales, nullptr, K, out_features, at::kChar, Q8_BLOCK_BYTES, "dequantize_q8_0");
+  at::Tensor out = at::empty({groups * ROWS, K}, weight.options().dtype(at::kFloat));
+  dequantize_q8_0(weight.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), nb, 0,
+                  groups, out.data_ptr<float>());
+  return out.narrow(0, 0, out_features);
+}
+
+at::Tensor dequantize_q4_1_op(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& mins,
+                              int64_t out_features) {
+  const int64_t nb = weight.size(1), K = nb * QK, groups = weight.size(0);
+  check_weight(weight, scales, &mins, K, out_features, at::kByte, Q4_BLOCK_BYTES, "dequantize_q4_1");
+  at::Tensor out = at::empty({groups * ROWS, K}, weight.options().dtype(at::kFloat));
+  dequantize_q4_1(weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                  reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), nb, 0, groups, out.data_ptr<float>());
+  return out.narrow(0, 0, out_features);
+}
+
+std::vector<int64_t> cpu_paths() {
+  std::vector<int64_t> paths;
+  for (int p = 0; p < kNumPaths; p++)
+    if (cpu_supports(p)) paths.push_back(p);
+  return paths;
+}
+
+std::vector<int64_t> set_options(int64_t path, int64_t min_rows) {
+  TORCH_CHECK(path >= -1 && path < kNumPaths && (path == -1 || cpu_supports(int(path))), "llama_kv: path ", path,
+              " (", path_name(int(path)), ") does not run on this CPU");
+  TORCH_CHECK(min_rows >= 1, "llama_kv: gemm_min_rows must be at least 1");
+  std::vector<int64_t> old = {forced_path.load(), gemm_min_rows.load()};
+  forced_path.store(int(path));
+  gemm_min_rows.store(min_rows);
+  return old;
+}
+
+}  // namespace
+
+bool cpu_supports(int path) {
+  switch (path) {
+    case kScalar: return true;
+    case kAvx2:
+    case kAvxVnniEmulated: return cpu().avx2;
+    case kAvxVnni: return cpu().avxvnni;
+    case kAvx512Vnni: return cpu().avx512vnni;
+    default: return false;
+  }
+}
+
+TORCH_LIBRARY(llama_kv, m) {
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("q8_0_linear(Tensor x, Tensor weight, Tensor scales, int out_features) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor weight, Tensor scales, Tensor mins, int out_features) -> Tensor");
+  m.def("dequantize_q8_0(Tensor weight, Tensor scales, int out_features) -> Tensor");
+  m.def("dequantize_q4_1(Tensor weight, Tensor scales, Tensor mins, int out_features) -> Tensor");
+  m.def("cpu_paths() -> int[]", &cpu_paths);
+  m.def("set_options(int path, int gemm_min_rows) -> int[]", &set_options);
+}
+
+TORCH_LIBRARY_IMPL(llama_kv, CPU, m) {
+  m.impl("quantize_activations", &quantize_activations);
+  m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("q4_1_linear", &q4_1_linear);
+  m.impl("dequantize_q8_0", &dequantize_q8_0_op);
+  m.impl("dequantize_q4_1", &dequantize_q4_1_op);
+}
+
+}  // namespace llama_kv
