@@ -19,13 +19,15 @@ from llama.compile import Step, compile_step
 from llama.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.distributed import init_distributed
 from llama.errors import LlamaError
+from llama import kernels
 from llama.kv_cache import KVCache
 from llama.model import Transformer
 from llama.parallel import parallelize
 from llama.session import Session
 from llama.progress import Progress
 from llama.quant_format import read_record
-from llama.quantize import check_method, describe, plan_for, slow_path_note
+from llama.linears import QuantizedLinear
+from llama.quantize import check_method, check_quant_kernels, describe, plan_for, slow_path_note
 from llama.tokenizer import Tokenizer
 from llama.weights import choose_dtype, load_weights, resolve_plan
 
@@ -123,6 +125,7 @@ class LoadInfo:
     notes: List[str] = field(default_factory=list)
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
+    quant_kernels: Optional[str] = None  # what quantized layers multiply with: "integer" or "exact"; None: float
 
 
 class Llama:
@@ -141,6 +144,7 @@ class Llama:
         compile: bool = False,
         quantize: Optional[str] = None,
         progress: Optional[Progress] = None,
+        quant_kernels: str = "integer",
     ) -> "Llama":
         """Load a checkpoint in Meta's layout.
 
@@ -164,16 +168,24 @@ class Llama:
             quantize: None, "int8" (per output channel) or "int4" (groups of 32 columns): quantize every
                 linear layer as it loads (llama/quantize.py). A checkpoint stored quantized (it has
                 quantization.json) loads as stored without it; asking it for another method is an error.
-            progress: told ("loading weights", done, total) as the tensors load (llama/progress.py).
+            progress: told ("loading weights", done, total) as the tensors load, and around a first build of
+                the integer kernels (llama/progress.py).
+            quant_kernels: what quantized layers multiply with on the CPU. "integer" (the default): the
+                integer kernels of llama/kernels, which round each row of activations to int8 blocks of 32
+                as llama.cpp does (fast; cached and uncached runs agree within the bound
+                tests/test_int_kernels.py states, not to float32 rounding); where they cannot run (no C++
+                compiler, not x86) the exact paths run and `info.notes` says why. "exact": the weight-only
+                paths, which multiply the activations as they are by the dequantized weights.
 
         A checkpoint stored in bfloat16 whose float32 copy would not fit in memory runs in bfloat16 on the
         CPU when no dtype is given; `info.notes` then says so. It also says when quantized layers will run
-        slowly (eagerly in float32 on the CPU) and what would run them fast.
+        slowly (eagerly in float32 on the CPU, on the exact paths) and what would run them fast.
 
         Raises:
             LlamaError: a file is missing or malformed, or the weights do not match params.json.
         """
         device = local_device(resolve_device(device))
+        quant_kernels = check_quant_kernels(quant_kernels)
         dtype_given = dtype is not None
         dtype = resolve_dtype(dtype, device)
         rank, world_size = init_distributed(device, model_parallel_size)
@@ -198,11 +210,18 @@ class Llama:
         plan = resolve_plan(model, reader, quantize)
         # Refuse before reading gigabytes that cannot fit.
         dtype, notes = choose_dtype(reader, args, plan, dtype, dtype_given, device, world_size)
-        if plan and device.type == "cpu" and dtype == torch.float32 and not compile:
-            notes.append(slow_path_note(plan, world_size))
+        integer = bool(plan) and device.type == "cpu" and quant_kernels == "integer"
+        if integer and not kernels.load(progress):
+            notes.append(f"the int8/int4 integer kernels cannot run here: {kernels.unavailable_reason()}; quantized "
+                         "layers run on the exact weight-only paths")
         model = load_weights(model, reader, args, plan, rank, world_size, device, dtype,
-                             compiled=compile, progress=progress)
-        info = LoadInfo(ckpt_dir, describe(plan), rank, world_size, notes)
+                             compiled=compile, integer=integer, progress=progress)
+        quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        on_exact_paths = [m for m in quantized if not getattr(m, "integer_kernels", False)]
+        if on_exact_paths and device.type == "cpu" and dtype == torch.float32 and not compile:
+            notes.append(slow_path_note(plan, world_size))
+        running = None if not quantized else "exact" if on_exact_paths else "integer"
+        info = LoadInfo(ckpt_dir, describe(plan), rank, world_size, notes, quant_kernels=running)
         llama = Llama(model, tokenizer, seed=seed, info=info)
         if compile:
             compile_start = time.perf_counter()

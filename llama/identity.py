@@ -83,7 +83,8 @@ def model_identity(llama) -> str:
 
     It covers the shape (params), the weights (the checkpoint's files, or the tensors in memory for a model
     that was not built from a directory), the tokenizer file and its config, the dtype and device type the
-    keys and values are computed in, and the quantization (`llama.info`).
+    keys and values are computed in, and the quantization (`llama.info`), with the integer kernels, which
+    round activations too, apart from the exact paths.
     """
     model, info = llama.model, llama.info
     p = model.params
@@ -108,6 +109,8 @@ def model_identity(llama) -> str:
         "weights": weights,
         "tokenizer": tokenizer,
     }
+    if info.quant_kernels == "integer":  # only then, so that the identities of other models stay as they were
+        record["quant_kernels"] = info.quant_kernels
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 

@@ -1,10 +1,11 @@
 """The linear-layer classes a built model's projections can become: one class per weight layout.
 
 Each class holds its weight in one layout and multiplies it one way; which class each layer becomes is
-decided in one place, `choose_layer_classes`, from the device, the activations' dtype, whether the step
-will be compiled, and what this torch offers. `model.py` knows none of this; `quantize.py` swaps float
-layers for `Int8Linear` / `Int4Linear` (the on-disk layout of llama/quant_format.py), and loading then
-calls `choose_layer_classes` once. Every quantized class's `state_dict()` is the on-disk layout.
+decided in one place, `layer_class` (applied by `choose_layer_classes`), from the device, the activations'
+dtype, whether the step will be compiled, whether the integer kernels are wanted, and what this torch and
+this CPU offer. `model.py` knows none of this; `quantize.py` swaps float layers for `Int8Linear` /
+`Int4Linear` (the on-disk layout of llama/quant_format.py), and loading then calls `choose_layer_classes`
+once. Every quantized class's `state_dict()` is the on-disk layout.
 
     class               layout                                  multiplies by
     nn.Linear           float (out, in)                         F.linear
@@ -16,8 +17,13 @@ calls `choose_layer_classes` once. Every quantized class's `state_dict()` is the
     Int4Linear          two values a byte, column 2j low        widening the weight, then F.linear
     Int4KernelLinear    aten's own int4 packing, bf16 scales    aten._weight_int4pack_mm_for_cpu (bf16, CPU)
     Int4HalvesLinear    a group's first half low, second high   the compiled reduction (GGUF's Q4 order)
+    Int8DotLinear       int8 blocks of 32, 8 rows interleaved   llama_kv.q8_0_linear: activations rounded to
+                                                                int8 blocks, integer dot products (CPU)
+    Int4DotLinear       int4 blocks of 32, 8 rows interleaved   llama_kv.q4_1_linear, the same with int4
 
-Every class multiplies by the same values: widening is the exact float model of the dequantized weights,
+The two Dot classes (llama/int_linears.py) are what a quantized CPU model runs by default: they round the
+activations too, so they multiply by the same weights but not the same activations, within a bound the tests
+state (tests/test_int_kernels.py). Every other class multiplies by the same values: widening is the exact float model of the dequantized weights,
 and each faster path is tested against it. torch's kernels are chosen for bf16 activations only: fed
 float32 they are scalar loops (the int8 one is still worth it at a few rows), and rounding activations to
 bf16 for them would let cached and uncached float32 runs differ. What each path measured:
@@ -118,9 +124,10 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device="meta"))
 
     @classmethod
-    def from_layer(cls, layer: "Int8Linear", dtype: torch.dtype) -> "Int8Linear":
+    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int8Linear":
         new = cls(layer.in_features, layer.out_features, layer.group_size)
-        new.weight, new.scales = layer.weight, layer.scales
+        tensors = layer.format_tensors()
+        new.weight, new.scales = tensors["weight"], tensors["scales"]
         return new
 
     def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
@@ -138,11 +145,11 @@ class Int8KernelLinear(Int8Linear):
     """
 
     @classmethod
-    def from_layer(cls, layer: Int8Linear, dtype: torch.dtype) -> "Int8KernelLinear":
+    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int8KernelLinear":
         new = super().from_layer(layer, dtype)
         # The scales in the activations' dtype, held rather than computed per call: Inductor passes the
         # kernel only tensors the model holds.
-        new.kernel_scales = layer.scales.reshape(-1).to(dtype)
+        new.kernel_scales = new.scales.reshape(-1).to(dtype)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -340,17 +347,29 @@ def _kernel_permutation(in_features: int) -> torch.Tensor:
     return _PERMUTATIONS[in_features]
 
 
-def layer_class(layer: nn.Module, dtype: torch.dtype, compiled: bool, kernels: bool = True) -> Type[nn.Module]:
+def layer_class(layer: nn.Module, dtype: torch.dtype, compiled: bool, kernels: bool = True,
+                integer: Optional[bool] = None) -> Type[nn.Module]:
     """The class a linear layer should be, for activations of `dtype` on its device, eager or compiled.
 
     Args:
         layer: an nn.Linear, or a quantized layer of any class.
-        kernels: allow torch's private quantized CPU kernels (tests turn them off to run the fallbacks).
+        kernels: allow any quantized kernel, ours or torch's private ones (tests turn them off to run the
+            exact fallbacks).
+        integer: run quantized layers on the integer kernels (llama/int_linears.py) where they apply; False
+            keeps them on the exact weight-only paths; None keeps each layer on the family it is in.
     """
     cpu = layer.weight.device.type == "cpu"
     if isinstance(layer, nn.Linear):
         return ReductionLinear if cpu and compiled else nn.Linear
     kernels = kernels and cpu
+    if integer is None:
+        integer = getattr(layer, "integer_kernels", False)
+    if kernels and integer:
+        from llama.int_linears import integer_class  # that module builds on this one
+
+        cls = integer_class(layer, dtype)
+        if cls is not None:
+            return cls
     if layer.method == "int8":
         takes_kernel = kernels and HAS_INT8_KERNEL and layer.n_groups == 1
         if takes_kernel and (dtype == torch.bfloat16 or (dtype == torch.float32 and not compiled)):
@@ -363,18 +382,20 @@ def layer_class(layer: nn.Module, dtype: torch.dtype, compiled: bool, kernels: b
     return Int4HalvesLinear if cpu and compiled else Int4Linear
 
 
-def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool = True) -> nn.Module:
+def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool = True,
+                         integer: Optional[bool] = None) -> nn.Module:
     """Make every linear layer of a loaded model the class `layer_class` picks for it, in place; returns it.
 
     Quantized layers are re-packed into their new class's layout (the old tensors are dropped); float ones
     only change class. The activations' dtype is the model's (its embedding's). Forward hooks stay.
+    `kernels` and `integer` are `layer_class`'s.
     """
     dtype = model.dtype
     for parent in list(model.modules()):
         for name, layer in list(parent.named_children()):
             if not isinstance(layer, (nn.Linear, QuantizedLinear)):
                 continue
-            cls = layer_class(layer, dtype, compiled, kernels)
+            cls = layer_class(layer, dtype, compiled, kernels, integer)
             if type(layer) is cls:
                 continue
             if isinstance(layer, nn.Linear):

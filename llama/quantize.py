@@ -10,6 +10,10 @@ the new layers. Loading then gives each layer the class that multiplies fastest 
 The one quantizer here serves loading (`--quantize`), `quantize_model` and `llama-convert --quantize`:
 int8 with one scale per output channel, int4 with a scale and a minimum per group of 32 columns (GGUF's
 Q4 block); a weight whose width 32 does not divide gets the largest even group that does.
+
+On the CPU the layers then run, by default, on the integer kernels (`quant_kernels="integer"`, llama/kernels:
+activations rounded to int8 blocks too, integer dot products); `quant_kernels="exact"` keeps the weight-only
+paths, which multiply the float activations by the dequantized weights.
 """
 
 import math
@@ -21,6 +25,10 @@ from torch import nn
 from llama.errors import LlamaError
 from llama.linears import HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4Linear, Int8Linear, QuantizedLinear, choose_layer_classes
 from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, METHODS, Plan, is_linear_weight, quantize_int4, quantize_int8
+
+# What quantized layers multiply with: "integer" (llama/int_linears.py, where the kernels run) or "exact"
+# (the weight-only paths of llama/linears.py).
+QUANT_KERNELS = ("integer", "exact")
 
 # Quantize a float weight this many elements at a time, so that quantizing a 32000 x 4096 output layer needs
 # some tens of MB of scratch, not several times the layer in float32.
@@ -36,6 +44,17 @@ def check_method(quantize: Optional[str]) -> Optional[str]:
     if quantize is None or quantize in METHODS:
         return quantize
     raise LlamaError(f"unknown quantization {quantize!r}; choose one of {', '.join(METHODS)} (or leave it out for float)")
+
+
+def check_quant_kernels(quant_kernels: str) -> str:
+    """`quant_kernels` checked to be "integer" or "exact".
+
+    Raises:
+        LlamaError: any other value, in one line that lists the choices.
+    """
+    if quant_kernels in QUANT_KERNELS:
+        return quant_kernels
+    raise LlamaError(f"unknown quant_kernels={quant_kernels}; choose one of {', '.join(QUANT_KERNELS)}")
 
 
 def group_size_for(method: str, in_features: int, group_size: Optional[int] = None, name: str = "a weight") -> Optional[int]:
@@ -123,9 +142,14 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: Optional[int]
     return {n: torch.cat([p[i] for p in pieces]) if len(pieces) > 1 else pieces[0][i] for i, n in enumerate(names)}
 
 
-def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = None) -> nn.Module:
-    """Quantize every linear layer of a built model (real weights, any device) in place; returns it."""
+def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = None,
+                   quant_kernels: str = "integer") -> nn.Module:
+    """Quantize every linear layer of a built model (real weights, any device) in place; returns it.
+
+    `quant_kernels` says what the layers multiply with on the CPU: "integer" or "exact" (see above).
+    """
     check_method(method)
+    check_quant_kernels(quant_kernels)
     plan = plan_for(model, method, group_size)
     named = dict(model.named_modules())
     weights = {n: named[n.removesuffix(".weight")].weight.detach() for n in plan}
@@ -136,7 +160,7 @@ def quantize_model(model: nn.Module, method: str, group_size: Optional[int] = No
         tensors = quantize_weight(weights[weight_name], m, layer.group_size)
         for suffix, tensor in tensors.items():
             setattr(layer, suffix, tensor.to(weights[weight_name].device))
-    return choose_layer_classes(model)
+    return choose_layer_classes(model, integer=quant_kernels == "integer")
 
 
 def slow_path_note(plan: Plan, world_size: int = 1) -> str:

@@ -26,7 +26,7 @@ from llama.errors import LlamaError
 from llama.model import ModelArgs
 from llama.progress import Progress, or_silent
 from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, Plan, is_linear_weight, quantized_shapes
-from llama.linears import Int4Linear, choose_layer_classes
+from llama.linears import choose_layer_classes
 from llama.quantize import check_method, describe, plan_for, quantize_weight, swap_linears
 from llama.sharding import split_dim
 
@@ -133,7 +133,7 @@ def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan
 
 
 def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, plan: Plan, rank: int, world_size: int,
-                 device: torch.device, dtype: torch.dtype, compiled: bool,
+                 device: torch.device, dtype: torch.dtype, compiled: bool, integer: bool = True,
                  progress: Optional[Progress] = None) -> nn.Module:
     """Fill `model` (built on the meta device, already split for `world_size` ranks) from `source`.
 
@@ -144,6 +144,8 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             hold float projections with more outputs than inputs input-major (see
             Transformer.use_column_major_weights); compiled ones keep them row-major for their reductions.
             Each linear layer then becomes the class llama/linears.py's `choose_layer_classes` picks.
+        integer: quantized layers run on the integer kernels where they apply (llama/int_linears.py), rather
+            than on the exact weight-only paths.
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
     """
     input_major = device.type == "cpu" and not compiled
@@ -165,7 +167,7 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             layer = layers[name.removesuffix(".weight")]
             for suffix, tensor in quantize_weight(local, *plan[name][:1], layer.group_size).items():
                 state[f"{name.removesuffix('.weight')}.{suffix}"] = tensor.to(device)
-        elif local.dtype in _FLOAT_DTYPES:
+        elif local.dtype in _FLOAT_DTYPES and not name.endswith((".scales", ".mins")):
             if input_major and is_linear_weight(name) and local.shape[0] >= local.shape[1]:
                 # Input-major in one copy (converting first, then transposing, would allocate twice).
                 tensor = torch.empty(local.shape[::-1], dtype=dtype, device=device).t()
@@ -174,7 +176,8 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
                 tensor = local.to(device=device, dtype=dtype)
             state[name] = tensor
         else:
-            state[name] = local.to(device)  # stored int8 / uint8 values and their scales stay as they are
+            # Stored int8 / uint8 values and their float16 scales stay as they are (in bf16 they would be rounded).
+            state[name] = local.to(device)
         kept = state.get(name)
         for piece in pieces:
             if kept is None or not _shares_memory(kept, piece):
@@ -189,13 +192,13 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
     except RuntimeError as e:  # names or shapes that disagree with the model: a damaged checkpoint
         raise LlamaError(f"{source.ckpt_dir} does not fit the model params.json describes ({str(e).splitlines()[0]})") from None
     model.requires_grad_(False).eval()
-    # Re-packing replaces each int4 weight; holding the old ones here would keep the model twice.
-    stored_int4 = [(n.removesuffix(".weight"), state[n]) for n, (m, _) in source.stored_plan.items() if m == "int4"]
+    # Re-packing replaces a stored weight; holding the old ones here would keep the model twice.
+    stored = [(n.removesuffix(".weight"), state[n]) for n in source.stored_plan]
     state.clear()
-    choose_layer_classes(model, compiled)
+    choose_layer_classes(model, compiled, integer=integer)
     layers = dict(model.named_modules())
-    for name, tensor in stored_int4:
-        if type(layers[name]) is not Int4Linear:
+    for name, tensor in stored:
+        if not any(_shares_memory(tensor, held) for held in layers[name].buffers()):
             release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
     _return_free_memory()
     return model

@@ -2,16 +2,25 @@
 
     python scripts/compare_transformers.py [--new_tokens 128,512] [--repeats 3] [--threads 2] [--nocompile]
         [--nollamacpp] [--lcpp_types F32,Q8_0,Q4_0] [--gguf_dir DIR] [--noquantized]
+        [--quant_kernels integer,exact] [--prompt_tokens 512]
+    python scripts/compare_transformers.py --ckpt DIR --lcpp_gguf FILE [--notransformers]  # e.g. 7B-shaped
 
 All load the default model (SmolLM2-135M-Instruct, from the same GGUF) on the CPU and decode greedily at
 batch 1 from the same prompt token ids, each with its KV cache, ignoring stop tokens. Ours runs in float32
-eagerly (the default) and with --compile (compiled before any timing); with --quantize int8 / int4 in
-float32 compiled (exact) and in bf16 eager and compiled (torch's int8/int4 kernels), unless --noquantized.
+eagerly (the default) and with --compile (compiled before any timing); with --quantize int8 / int4, unless
+--noquantized, on each of --quant_kernels: "integer" (the integer kernels of llama/kernels, float32 eager
+and compiled, and bf16) and "exact" (the weight-only paths: float32 compiled, bf16 eager and compiled).
 transformers runs in float32. llama.cpp is optional: the `llama_cpp` module of llama-cpp-python built from
 source (`pip install --no-binary llama-cpp-python llama-cpp-python`), left out with a note when it is not
 installed. It runs a GGUF of each --lcpp_types, made once into --gguf_dir by llama.cpp's own quantizer from
 the shipped Q4_1 file: F32 holds exactly the dequantized values ours loads, and Q8_0 / Q4_0 are quantized
 from them, every tensor in that type (pure).
+
+--ckpt runs ours on another checkpoint instead (a GGUF that llama-convert kept quantized runs as stored,
+on each of --quant_kernels), and --lcpp_gguf gives llama.cpp the GGUF it came from: that is how the 7B-shaped
+comparison of issue 21 is made (a random 7B-shaped F16 GGUF of 8 layers, quantized to Q8_0 / Q4_0 by
+llama.cpp's quantizer, converted by llama-convert). With --prompt_tokens N the prompt is N tokens long and
+a second table gives each runner's time to the first new token (prefill), median of the same runs.
 
 Runs alternate (ours, ours compiled, ..., transformers, llama.cpp F32, ..., ours, ...) so that drift in the
 machine's speed hits all alike; each figure is the median of --repeats runs. Decode tokens/s counts the
@@ -54,17 +63,17 @@ def decode_rate(stamps: List[float]) -> float:
 
 
 def ours_once(llama, prompt_ids, n):
-    stamps = []
+    stamps = [time.perf_counter()]
     # ignore_stop, as transformers' min_new_tokens: both produce exactly n tokens.
     (tokens,), _ = llama.generate([prompt_ids], n, temperature=0, ignore_stop=True,
                                   on_step=lambda pos, tok: stamps.append(time.perf_counter()))
-    return decode_rate(stamps), tokens
+    return decode_rate(stamps[1:]), tokens, stamps[1] - stamps[0]
 
 
 def theirs_once(model, prompt_ids, n):
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    stamps = []
+    stamps = [time.perf_counter()]
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
@@ -74,7 +83,7 @@ def theirs_once(model, prompt_ids, n):
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              use_cache=True, logits_processor=LogitsProcessorList([Stamp()]), pad_token_id=0)
-    return decode_rate(stamps), out[0, len(prompt_ids):].tolist()
+    return decode_rate(stamps[1:]), out[0, len(prompt_ids):].tolist(), stamps[1] - stamps[0]
 
 
 def make_ggufs(source: Path, out_dir: Path, types: List[str], threads: int) -> Dict[str, Path]:
@@ -100,50 +109,81 @@ def make_ggufs(source: Path, out_dir: Path, types: List[str], threads: int) -> D
 
 
 def lcpp_once(llm, prompt_ids, n):
-    stamps, tokens = [], []
+    stamps, tokens = [time.perf_counter()], []
+    llm.reset()  # no reuse of the last run's prompt: every run pays its prefill, as ours do
     for token in llm.generate(prompt_ids, temp=0.0, top_k=1, repeat_penalty=1.0):  # greedy; no stop tokens here
         stamps.append(time.perf_counter())
         tokens.append(token)
         if len(tokens) == n:
             break
-    return decode_rate(stamps), tokens
+    return decode_rate(stamps[1:]), tokens, stamps[1] - stamps[0]
 
 
 def agree(a: List[int], b: List[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool = True, llamacpp: bool = True,
-         lcpp_types="F32,Q8_0,Q4_0", gguf_dir: str = None, quantized: bool = True):
-    from transformers import LlamaForCausalLM
+def _list(value) -> List[str]:
+    return [v.strip() for v in (value if isinstance(value, (tuple, list)) else str(value).split(",")) if str(v).strip()]
 
-    import transformers
+
+def quantized_variants(ckpt, kinds, quant_kernels, compile: bool, build: dict) -> Dict[str, object]:
+    """Our quantized models: for each method (None: as the checkpoint stores it) and each of quant_kernels."""
+    from llama import Llama
+
+    ours = {}
+    for kind in kinds:
+        label = f"ours {kind}" if kind else "ours"
+        for qk in quant_kernels:
+            common = dict(quantize=kind, quant_kernels=qk, **build)
+            if qk == "integer":  # the same kernels eager, compiled and in bf16
+                ours[f"{label} integer"] = Llama.build(ckpt, dtype="float32", **common)
+                if compile:
+                    ours[f"{label} integer --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **common)
+                ours[f"{label} integer bf16"] = Llama.build(ckpt, dtype="bfloat16", **common)
+            else:  # float32 only compiled (eagerly it widens weights: exact but slow); bf16: torch's kernels
+                if compile:
+                    ours[f"{label} exact --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **common)
+                ours[f"{label} exact bf16"] = Llama.build(ckpt, dtype="bfloat16", **common)
+                if compile:
+                    ours[f"{label} exact bf16 --compile"] = Llama.build(ckpt, dtype="bfloat16", compile=True, **common)
+    return ours
+
+
+def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool = True, llamacpp: bool = True,
+         lcpp_types="F32,Q8_0,Q4_0", gguf_dir: str = None, quantized: bool = True, quant_kernels="integer,exact",
+         ckpt: str = None, lcpp_gguf: str = None, transformers: bool = True, prompt_tokens: int = 0):
+    import transformers as transformers_module
     from llama import Llama
     from llama.download import default_model_dir, default_model_gguf
+    from llama.quant_format import read_record
 
     torch.set_num_threads(threads)
-    lengths = [int(n) for n in (new_tokens if isinstance(new_tokens, (tuple, list)) else str(new_tokens).split(","))]
+    lengths = [int(n) for n in _list(new_tokens)]
     from llama.cli.progress import ProgressPrinter
 
-    ckpt = default_model_dir(progress=ProgressPrinter(prefix="llama-download: "))
-    gguf = default_model_gguf()
-    build = dict(max_seq_len=max(lengths) + 64, max_batch_size=1, device="cpu")
-    ours = {"ours": Llama.build(ckpt, dtype="float32", **build)}
-    if compile:
-        ours["ours --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **build)
+    default = ckpt is None
+    ckpt = default_model_dir(progress=ProgressPrinter(prefix="llama-download: ")) if default else Path(ckpt)
+    gguf = default_model_gguf() if default else None
+    build = dict(max_seq_len=max(lengths) + max(prompt_tokens, 64) + 64, max_batch_size=1, device="cpu")
+    stored = read_record(ckpt) is not None
+    ours = {}
+    if not stored:
+        ours["ours"] = Llama.build(ckpt, dtype="float32", **build)
+        if compile:
+            ours["ours --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **build)
     if quantized and "quantize" in inspect.signature(Llama.build).parameters:  # once this version has --quantize
-        # float32 runs only compiled (eagerly they widen weights: exact but slow); bf16 runs with torch's kernels.
-        for kind in ("int8", "int4"):
-            if compile:
-                ours[f"ours {kind} --compile"] = Llama.build(ckpt, quantize=kind, dtype="float32", compile=True, **build)
-            ours[f"ours {kind} bf16"] = Llama.build(ckpt, quantize=kind, dtype="bfloat16", **build)
-            if compile:
-                ours[f"ours {kind} bf16 --compile"] = Llama.build(ckpt, quantize=kind, dtype="bfloat16", compile=True,
-                                                                  **build)
+        kernels_param = "quant_kernels" in inspect.signature(Llama.build).parameters
+        ours.update(quantized_variants(ckpt, [None] if stored else ["int8", "int4"],
+                                       _list(quant_kernels) if kernels_param else ["exact"], compile, build))
     runners: Dict[str, Callable] = {name: functools.partial(ours_once, llama) for name, llama in ours.items()}
-    theirs = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    runners["transformers"] = functools.partial(theirs_once, theirs)
-    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    versions = f"torch {torch.__version__}"
+    if transformers and gguf is not None:
+        from transformers import LlamaForCausalLM
+
+        theirs = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        runners["transformers"] = functools.partial(theirs_once, theirs)
+        versions += f", transformers {transformers_module.__version__}"
     if llamacpp:
         try:
             import llama_cpp
@@ -151,48 +191,65 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
             print("note: llama_cpp is not installed, so llama.cpp is left out "
                   "(pip install --no-binary llama-cpp-python llama-cpp-python)")
         else:
-            types = [t.strip() for t in str(lcpp_types if isinstance(lcpp_types, str) else ",".join(lcpp_types)).split(",")]
-            ggufs = make_ggufs(gguf, Path(gguf_dir) if gguf_dir else Path(tempfile.gettempdir()) / "llama-kv-ggufs",
-                               types, threads)
+            ggufs = {}
+            if gguf is not None and lcpp_types:
+                ggufs = make_ggufs(gguf, Path(gguf_dir) if gguf_dir else Path(tempfile.gettempdir()) / "llama-kv-ggufs",
+                                   _list(lcpp_types), threads)
+            if lcpp_gguf:
+                ggufs[Path(lcpp_gguf).stem] = Path(lcpp_gguf)
             for name, path in ggufs.items():
-                llm = llama_cpp.Llama(str(path), n_ctx=max(lengths) + 64, n_batch=512, n_threads=threads,
+                llm = llama_cpp.Llama(str(path), n_ctx=build["max_seq_len"], n_batch=512, n_threads=threads,
                                       n_threads_batch=threads, verbose=False)
                 runners[f"llama.cpp {name}"] = functools.partial(lcpp_once, llm)
             versions += f", llama-cpp-python {llama_cpp.__version__}"
-    prompt_ids = ours["ours"].tokenizer.encode(PROMPT, bos=True, eos=False)
+    tokenizer = next(iter(ours.values())).tokenizer
+    prompt_ids = tokenizer.encode(PROMPT, bos=True, eos=False)
+    if prompt_tokens:  # a long prompt, for the time to the first token: the text again and again
+        body = tokenizer.encode(" " + PROMPT + " a press that changed how books were made.", bos=False, eos=False)
+        prompt_ids = (prompt_ids + body * (prompt_tokens // len(body) + 1))[:prompt_tokens]
 
     # Warm all up, so none pays first-call costs inside the measurement.
     for run in runners.values():
         run(prompt_ids, 16)
 
     print(f"{versions}, {threads} threads, batch 1")
-    print(f"prompt: {PROMPT!r} ({len(prompt_ids)} tokens); decode tokens/s, median of {repeats} interleaved runs; "
-          f"agree: leading tokens equal to ours (float32, eager)\n")
+    print(f"checkpoint: {ckpt}; prompt: {PROMPT!r} ({len(prompt_ids)} tokens); decode tokens/s, median of {repeats} "
+          f"interleaved runs; agree: leading tokens equal to the first runner's ({next(iter(runners))})\n")
     names = list(runners)
     rates = {(name, n): [] for name in names for n in lengths}
+    firsts = {(name, n): [] for name in names for n in lengths}
     agreed = {(name, n): 0 for name in names for n in lengths}
     for n in lengths:
         for _ in range(repeats):
             reference = None
             for name, run in runners.items():
-                rate, tokens = run(prompt_ids, n)
+                rate, tokens, first = run(prompt_ids, n)
                 rates[name, n].append(rate)
+                firsts[name, n].append(first)
                 reference = tokens if reference is None else reference
                 agreed[name, n] = agree(tokens, reference)
     median = {key: statistics.median(r) for key, r in rates.items()}
     width = max(len(name) for name in names)
-    base = "llama.cpp F32" if "llama.cpp F32" in names else "transformers"
+    base = next((b for b in ("llama.cpp F32", "transformers") if b in names), names[0])
     print(f"{'':{width}}  " + "  ".join(f"{f'{n} tokens':>10}  {'/ ' + base:>16}  {'agree':>5}" for n in lengths))
     for name in names:
         print(f"{name:{width}}  " + "  ".join(
             f"{median[name, n]:>10.2f}  {median[name, n] / median[base, n]:>15.2f}x  {agreed[name, n]:>5}"
             for n in lengths))
 
-    weights = sum(p.numel() * p.element_size() for name, p in ours["ours"].model.named_parameters()
-                  if not name.startswith("tok_embeddings"))  # the embedding table is read one row per token
+    if prompt_tokens:
+        print(f"\ntime to the first new token after the {len(prompt_ids)}-token prompt, seconds (median):")
+        for name in names:
+            print(f"{name:{width}}  " + "  ".join(f"{statistics.median(firsts[name, n]):>10.3f}" for n in lengths))
+
     bandwidth = measure_bandwidth()
-    print(f"\nroofline: {weights / 1e6:.0f} MB of float32 weights read per token / {bandwidth / 1e9:.1f} GB/s copy "
-          f"bandwidth = {bandwidth / weights:.1f} tokens/s at most")
+    for name, llama in ours.items():  # the bytes each of ours reads per token: its weights but the embedding
+        if name in ("ours", "ours int8 integer", "ours int4 integer", "ours integer"):
+            weights = sum(t.numel() * t.element_size() for key, t in llama.model.state_dict().items()
+                          if not key.startswith("tok_embeddings"))  # the embedding is read one row per token
+            print(f"\nroofline of {name}: {weights / 1e6:.0f} MB of weights read per token / {bandwidth / 1e9:.1f} GB/s "
+                  f"copy bandwidth = {bandwidth / weights:.1f} tokens/s at most", end="")
+    print()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Shared fixtures: tiny random LLaMA checkpoints in Meta's exact layout, with the example tokenizer."""
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,14 @@ ATTENTION_SHAPES = {
 TEST_STD = 0.1
 
 torch.set_num_threads(2)
+
+
+def pytest_configure(config):
+    # The integer kernels (llama/kernels) build once into pytest's cache rather than the user's $LLAMA_HOME:
+    # every test and subprocess of a run shares that build, the next run reuses it, a changed source rebuilds.
+    if not os.environ.get("LLAMA_KERNELS_DIR"):
+        cache = getattr(config, "cache", None)
+        os.environ["LLAMA_KERNELS_DIR"] = str(cache.mkdir("llama-kernels") if cache else tempfile.mkdtemp())
 
 
 def tiny_args(kind: str = "gqa", **overrides) -> ModelArgs:

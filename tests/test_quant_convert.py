@@ -218,7 +218,9 @@ def test_quantized_checkpoint_shards_and_loads_weights_only(tmp_path):
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
 def test_converted_quantized_gguf_generates_like_its_float_conversion(tmp_path, qtype):
     src = write_llama_gguf(tmp_path / "m.gguf", types={k: qtype for k in LINEAR_KINDS})
-    kept = build(convert_gguf(src, tmp_path / "kept"))
+    # The exact paths multiply by the very weights the float conversion holds; the integer kernels round the
+    # activations too, which moves this flat random model's logits by ~1.6%, more than its top two tokens' gap.
+    kept = build(convert_gguf(src, tmp_path / "kept"), quant_kernels="exact")
     wide = build(convert_gguf(src, tmp_path / "wide", dequantize=True))
     prompt = [[1, 5, 9, 77, 200]]
     ours, _ = kept.generate(prompt, max_gen_len=16, temperature=0)

@@ -1,4 +1,9 @@
-"""--quantize int8|int4: exact cache switch, agreement with the dequantized float model, the on-disk layout."""
+"""--quantize int8|int4 on the exact weight-only paths: exact cache switch, agreement with the dequantized float
+model, the on-disk layout.
+
+Every model here is built with quant_kernels="exact": on the CPU the default is the integer kernels, which round
+activations too and are tested against their own reference in test_int_kernels.py.
+"""
 
 import copy
 import os
@@ -9,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
+import conftest
+from conftest import EXAMPLE_TOKENIZER, tiny_args, write_tiny
 from llama import quant_format as qf
 from llama.checkpoint import save_checkpoint
 from llama.random_weights import random_state_dict
@@ -20,6 +26,10 @@ from llama.linears import (
     Int8ReductionLinear, QuantizedLinear, choose_layer_classes,
 )
 from llama.quantize import quantize_model, quantize_weight, slow_path_note
+
+
+def build(ckpt, **kwargs) -> Llama:
+    return conftest.build(ckpt, quant_kernels="exact", **kwargs)
 
 
 def without_kernels(llama: Llama) -> Llama:
@@ -307,7 +317,7 @@ def test_without_the_private_kernels_the_cache_switch_stays_exact(quantized, met
 
 def test_quantize_model_on_a_built_float_model_matches_quantizing_while_loading(gqa_ckpt):
     loaded = build(gqa_ckpt, quantize="int4")
-    model = quantize_model(build(gqa_ckpt).model, "int4")
+    model = quantize_model(build(gqa_ckpt).model, "int4", quant_kernels="exact")
     for name, tensor in loaded.model.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
 

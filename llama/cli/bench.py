@@ -54,6 +54,7 @@ def main(
     warmup: int = 8,
     compile: bool = False,
     quantize: str = None,
+    quant_kernels: str = "integer",
 ):
     """Generate with and without the KV cache over a sweep of lengths and report what each costs.
 
@@ -85,6 +86,8 @@ def main(
         quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
             channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
             loads as stored without it.
+        quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
+            llama-generate).
     """
     lengths = _ints(lengths, "--lengths")
     batch_sizes = _ints(batch_sizes, "--batch-sizes")
@@ -94,7 +97,8 @@ def main(
     if time_budget <= 0:
         fail(f"--time-budget must be positive, not {time_budget}")
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype, compile, quantize)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype, compile, quantize,
+                             quant_kernels)
     prompt_tokens = llama.tokenizer.encode(str(prompt), bos=True, eos=False)
     longest = min(max(lengths), max_seq_len - len(prompt_tokens))
     if longest < 1:

@@ -52,6 +52,7 @@ def main(
     compile: bool = False,
     session: str = None,
     quantize: str = None,
+    quant_kernels: str = "integer",
 ):
     """Chat with a LLaMA model in the terminal.
 
@@ -83,6 +84,8 @@ def main(
         quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
             channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
             loads as stored without it.
+        quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
+            llama-generate).
     """
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
@@ -91,7 +94,7 @@ def main(
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
     if session is not None:
         check_writable(Path(str(session)))
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile, quantize)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile, quantize, quant_kernels)
     if session is not None and llama.info.world_size > 1:
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)

@@ -60,6 +60,7 @@ def main(
     compile: bool = False,
     prompt_cache: str = None,
     quantize: str = None,
+    quant_kernels: str = "integer",
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -100,6 +101,10 @@ def main(
         quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
             channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
             loads as stored without it.
+        quant_kernels: what quantized weights multiply with on the CPU: integer (the default; activations
+            rounded to int8 blocks too, integer dot products as llama.cpp does: fast) or exact (the
+            activations as they are times the dequantized weights: cached and uncached runs agree to float
+            rounding).
     """
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
@@ -113,7 +118,8 @@ def main(
     if prompt_cache is not None:
         check_writable(Path(str(prompt_cache)))
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile, quantize)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile, quantize,
+                             quant_kernels)
     if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")
     tokenizer = llama.tokenizer
@@ -174,7 +180,8 @@ def main(
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
             f"compiled:        {f'yes, in {llama.info.compile_seconds:.1f} s' if compile else 'no'}",
-            f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}",
+            f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"
+            + (f", on the {llama.info.quant_kernels} kernels" if llama.info.quant_kernels else ""),
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
             f"generated:       {sum(generated)} tokens",
             f"prefill:         {timings['prefill_s'] * 1000:.1f} ms (to the first new token)",

@@ -9,6 +9,7 @@ from llama.cli.common import as_flags
 from llama.cli.progress import ProgressPrinter
 from llama.download import default_model_dir
 from llama.generation import Llama
+from llama.progress import Progress
 
 
 def default_ckpt_dir() -> str:
@@ -18,7 +19,7 @@ def default_ckpt_dir() -> str:
 
 def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
                      seed: int, device: Optional[str], dtype: Optional[str], compile: bool = False,
-                     quantize: Optional[str] = None) -> Llama:
+                     quantize: Optional[str] = None, quant_kernels: str = "integer") -> Llama:
     if compile:
         print("compiling the decode step (--compile): one to two minutes the first time, seconds once Inductor "
               "has it cached on disk", file=sys.stderr, flush=True)
@@ -32,13 +33,25 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         dtype=dtype,
         compile=compile,
         quantize=quantize,
-        # Under torchrun every rank loads alike: rank 0's bar stands for all.
-        progress=ProgressPrinter() if _is_big(ckpt_dir) and os.environ.get("RANK", "0") == "0" else None,
+        quant_kernels=str(quant_kernels),
+        # Under torchrun every rank loads alike: rank 0's reports stand for all.
+        progress=_progress(ckpt_dir) if os.environ.get("RANK", "0") == "0" else None,
     )
     if is_main_rank(llama):  # every rank loads alike; one copy of each note is enough
         for note in llama.info.notes:
             print(f"note: {as_flags(note)}", file=sys.stderr, flush=True)
     return llama
+
+
+def _progress(ckpt_dir: Optional[str]) -> Progress:
+    """The loading bar for big checkpoints only; a first build of the integer kernels always says so."""
+    printer, big = ProgressPrinter(), _is_big(ckpt_dir)
+
+    def report(what: str, done: int, total: int) -> None:
+        if big or what != "loading weights":
+            printer(what, done, total)
+
+    return report
 
 
 def _is_big(ckpt_dir: Optional[str]) -> bool:

@@ -38,6 +38,7 @@ def main(
     device: str = None,
     dtype: str = None,
     quantize: str = None,
+    quant_kernels: str = "integer",
     json: bool = False,
 ):
     """Perplexity of a model over a UTF-8 text file: exp of the mean negative log-likelihood per token.
@@ -64,6 +65,8 @@ def main(
         device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         quantize: int8 or int4: quantize the linear layers' weights while loading (see llama-generate).
+        quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
+            llama-generate).
         json: print one JSON object (perplexity, its standard error, tokens scored, per-window figures).
     """
     if file is None:
@@ -80,7 +83,7 @@ def main(
     text = read_text(path)
 
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len=ctx, max_batch_size=1, seed=1, device=device,
-                             dtype=dtype, quantize=quantize)
+                             dtype=dtype, quantize=quantize, quant_kernels=quant_kernels)
     tokens = llama.tokenizer.encode(text, bos=False, eos=False)
     window_starts(len(tokens), ctx, windows)  # a text too short fails here, before any work
     main_rank = is_main_rank(llama)
@@ -91,7 +94,7 @@ def main(
         return
     if json:
         record = {"file": str(path), **result.to_dict(), "dtype": str(llama.model.norm.weight.dtype).removeprefix("torch."),
-                  "quantize": quantize}
+                  "quantize": quantize, "quant_kernels": llama.info.quant_kernels}
         print(jsonlib.dumps(record), flush=True)
         return
     print(f"perplexity: {result.perplexity:.4f} +/- {result.stderr:.4f}")

@@ -70,10 +70,9 @@ def best_path() -> str:
 def set_options(path: Optional[str] = None, gemm_min_rows: Optional[int] = None) -> dict:
     """Force an instruction path (None: the CPU's best) and the row count from which products dequantize and
     call torch's GEMM; returns the options before."""
-    old_path, old_rows = torch.ops.llama_kv.set_options(-1, 1)
     if path is not None and path not in PATHS:
-        torch.ops.llama_kv.set_options(old_path, old_rows)
         raise ValueError(f"unknown kernel path {path!r}; choose one of {', '.join(PATHS)}")
+    old_path, old_rows = torch.ops.llama_kv.get_options()
     torch.ops.llama_kv.set_options(-1 if path is None else PATHS.index(path), gemm_min_rows or old_rows)
     return {"path": None if old_path < 0 else PATHS[old_path], "gemm_min_rows": old_rows}
 

@@ -1,10 +1,10 @@
 """Building the integer kernels' C++ extension at first use, cached under $LLAMA_HOME by torch version and CPU.
 
 The sources under `csrc/` are compiled once by `torch.utils.cpp_extension.load` (the compiler that
-`--compile` already relies on, driven by ninja) into `$LLAMA_HOME/kernels/torch-<version>-<cpu>/`; the
-library's name carries a digest of the sources, so a changed kernel builds anew and an unchanged one is
-loaded in milliseconds. Every instruction path is compiled into the one library with function-level
-targets, and the CPU's flags choose among them when it runs.
+`--compile` already relies on, driven by ninja) into `$LLAMA_HOME/kernels/torch-<version>-<cpu>/` (or
+`$LLAMA_KERNELS_DIR/...`); the library's name carries a digest of the sources, so a changed kernel builds
+anew and an unchanged one is loaded in milliseconds. Every instruction path is compiled into the one library
+with function-level targets, and the CPU's flags choose among them when it runs.
 """
 
 import hashlib
@@ -21,6 +21,7 @@ from llama.progress import Progress, or_silent, step
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp")
+DIR_ENV = "LLAMA_KERNELS_DIR"
 BUILD_NOTE = "building the int8/int4 kernels (once, a minute or two)"
 # The CPU flags that name the cache directory: the paths the library may take here.
 _KEY_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
@@ -66,7 +67,10 @@ def source_digest() -> str:
 
 
 def build_dir() -> Path:
-    return home_dir() / "kernels" / f"torch-{torch.__version__}-{cpu_key()}"
+    """Where this torch on this CPU keeps its builds: under $LLAMA_KERNELS_DIR if set (the tests keep theirs
+    apart so), else under $LLAMA_HOME/kernels."""
+    base = Path(os.environ[DIR_ENV]).expanduser() if os.environ.get(DIR_ENV) else home_dir() / "kernels"
+    return base / f"torch-{torch.__version__}-{cpu_key()}"
 
 
 def build_and_load(progress: Optional[Progress] = None) -> Path:

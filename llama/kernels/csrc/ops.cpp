@@ -9,6 +9,7 @@
 //   cpu_paths()                                          the paths this CPU runs, as numbers (kernels.h)
 //   set_options(path, gemm_min_rows)                     force a path (-1: the best) and where products
 //                                                        switch to dequantize-then-GEMM; returns the old ones
+//   get_options()                                        [path, gemm_min_rows] as they are
 //
 // From gemm_min_rows activation rows on, the activations (still rounded to int8 blocks) and the weights are
 // widened to float32 and multiplied by torch's GEMM, a slice of output rows at a time: the same sum of the
@@ -155,7 +156,8 @@ constexpr int64_t kMinBytesPerTask = 1 << 15;
 // Dequantize-then-GEMM: the quantized activations widened (q * d), times the widened weight, a slice of
 // groups at a time (64 groups = 512 rows: a few MB of float32 scratch).
 template <typename Dequantize>
-at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, Dequantize dequantize_groups) {
+at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, int64_t group_bytes,
+                Dequantize dequantize_groups) {
   const int64_t M = a.q.size(0), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
   const at::Tensor xf = (a.q.to(at::kFloat).view({M, nb, QK}) * a.d.unsqueeze(-1)).view({M, K});
   at::Tensor y = at::empty({M, out_features}, xf.options());
@@ -164,7 +166,8 @@ at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, Dequantiz
   for (int64_t g = 0; g < groups; g += kSlice) {
     const int64_t n = std::min(kSlice, groups - g), rows = std::min(n * ROWS, out_features - g * ROWS);
     float* out = wf.data_ptr<float>();
-    at::parallel_for(g, g + n, 1, [&](int64_t s, int64_t e) { dequantize_groups(s, e, out + (s - g) * ROWS * K); });
+    at::parallel_for(g, g + n, std::max<int64_t>(1, kMinBytesPerTask / group_bytes),
+                     [&](int64_t s, int64_t e) { dequantize_groups(s, e, out + (s - g) * ROWS * K); });
     y.narrow(1, g * ROWS, rows).copy_(at::mm(xf, wf.narrow(0, 0, rows).t()));
   }
   return y;
@@ -179,7 +182,7 @@ at::Tensor q8_0_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   const int8_t* w = weight.data_ptr<int8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (M >= gemm_min_rows.load()) {
-    return output_like(x_in, gemm(a, K, out_features, [&](int64_t g0, int64_t g1, float* out) {
+    return output_like(x_in, gemm(a, K, out_features, nb * Q8_BLOCK_BYTES, [&](int64_t g0, int64_t g1, float* out) {
       dequantize_q8_0(w, sc, nb, g0, g1, out);
     }));
   }
@@ -210,7 +213,7 @@ at::Tensor q4_1_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   const uint16_t* mn = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   if (M >= gemm_min_rows.load()) {
-    return output_like(x_in, gemm(a, K, out_features, [&](int64_t g0, int64_t g1, float* out) {
+    return output_like(x_in, gemm(a, K, out_features, nb * Q4_BLOCK_BYTES, [&](int64_t g0, int64_t g1, float* out) {
       dequantize_q4_1(w, sc, mn, nb, g0, g1, out);
     }));
   }
@@ -262,6 +265,8 @@ std::vector<int64_t> cpu_paths() {
   return paths;
 }
 
+std::vector<int64_t> get_options() { return {forced_path.load(), gemm_min_rows.load()}; }
+
 std::vector<int64_t> set_options(int64_t path, int64_t min_rows) {
   TORCH_CHECK(path >= -1 && path < kNumPaths && (path == -1 || cpu_supports(int(path))), "llama_kv: path ", path,
               " (", path_name(int(path)), ") does not run on this CPU");
@@ -292,6 +297,7 @@ TORCH_LIBRARY(llama_kv, m) {
   m.def("dequantize_q8_0(Tensor weight, Tensor scales, int out_features) -> Tensor");
   m.def("dequantize_q4_1(Tensor weight, Tensor scales, Tensor mins, int out_features) -> Tensor");
   m.def("cpu_paths() -> int[]", &cpu_paths);
+  m.def("get_options() -> int[]", &get_options);
   m.def("set_options(int path, int gemm_min_rows) -> int[]", &set_options);
 }
 
