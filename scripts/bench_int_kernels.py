@@ -24,6 +24,11 @@ from llama import quant_format as qf
 from llama.kernels import layout
 
 
+def _list(value):
+    """fire gives "1,2" as a tuple, "7" as an int, "1536x576,576x1536" as a string."""
+    return [str(v).strip() for v in (value if isinstance(value, (tuple, list)) else str(value).split(","))]
+
+
 def _time(fn, seconds):
     fn()
     n, start = 0, time.perf_counter()
@@ -83,8 +88,8 @@ def main(shapes="1536x576,576x1536,49152x576,11008x4096,4096x11008", rows="1,2,4
          threads: int = 2, rounds: int = 5, seconds: float = 0.2):
     assert kernels.load(), kernels.unavailable_reason()
     torch.set_num_threads(threads)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in str(shapes).split(",")]
-    rows = [int(r) for r in str(rows).split(",")] if not isinstance(rows, int) else [rows]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in _list(shapes)]
+    rows = [int(r) for r in _list(rows)]
     print(f"{threads} threads, kernel path {kernels.best_path()}, torch {torch.__version__}; "
           f"microseconds per call, median of {rounds} interleaved rounds")
     for out_f, in_f in shapes:

@@ -13,12 +13,15 @@
 //
 // From gemm_min_rows activation rows on, the activations (still rounded to int8 blocks) and the weights are
 // widened to float32 and multiplied by torch's GEMM, a slice of output rows at a time: the same sum of the
-// same products, in another order, and faster there than the integer kernel (docs/benchmarks.md).
+// same products, in another order. Measured, the integer kernel was faster at every size from 1 to 2,048 rows
+// (docs/benchmarks.md, "Figures behind the code"), so by default it runs at every size and a row's output
+// never depends on how many rows came with it; the GEMM stays as an option, to measure again elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <atomic>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -77,9 +80,8 @@ int best_path() {
 }
 
 std::atomic<int> forced_path{-1};
-// Measured on a 2-core AVX2 EPYC (docs/benchmarks.md, "Figures behind the code"): below this many rows the
-// integer kernel is faster, from it on dequantize-then-GEMM.
-std::atomic<int64_t> gemm_min_rows{32};
+// Never, by default: the integer kernel measured faster at every size (see the top of this file).
+std::atomic<int64_t> gemm_min_rows{std::numeric_limits<int64_t>::max()};
 
 int active_path() {
   const int p = forced_path.load();
@@ -154,14 +156,14 @@ at::Tensor output_like(const at::Tensor& x, const at::Tensor& y) {
 constexpr int64_t kMinBytesPerTask = 1 << 15;
 
 // Dequantize-then-GEMM: the quantized activations widened (q * d), times the widened weight, a slice of
-// groups at a time (64 groups = 512 rows: a few MB of float32 scratch).
+// groups at a time: 16 MB of float32 scratch, few enough slices that waking the threads for each costs little.
 template <typename Dequantize>
 at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, int64_t group_bytes,
                 Dequantize dequantize_groups) {
   const int64_t M = a.q.size(0), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
   const at::Tensor xf = (a.q.to(at::kFloat).view({M, nb, QK}) * a.d.unsqueeze(-1)).view({M, K});
   at::Tensor y = at::empty({M, out_features}, xf.options());
-  constexpr int64_t kSlice = 64;
+  const int64_t kSlice = std::min(groups, std::max<int64_t>(1, (int64_t(1) << 22) / (ROWS * K)));
   at::Tensor wf = at::empty({kSlice * ROWS, K}, xf.options());
   for (int64_t g = 0; g < groups; g += kSlice) {
     const int64_t n = std::min(kSlice, groups - g), rows = std::min(n * ROWS, out_features - g * ROWS);
