@@ -186,6 +186,7 @@ class Llama:
         """
         device = local_device(resolve_device(device))
         quant_kernels = check_quant_kernels(quant_kernels)
+        block_scales = device.type == "cpu" and quant_kernels == "integer"  # what the memory check counts
         dtype_given = dtype is not None
         dtype = resolve_dtype(dtype, device)
         rank, world_size = init_distributed(device, model_parallel_size)
@@ -204,12 +205,12 @@ class Llama:
         if dtype_given and read_record(ckpt_dir) is None:
             # Refuse a model that cannot fit before even opening its files.
             choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype, True,
-                         device, world_size)
+                         device, world_size, block_scales)
         reader = CheckpointReader(ckpt_dir)  # memory-mapped: nothing read yet
         reader.check(args)
         plan = resolve_plan(model, reader, quantize)
         # Refuse before reading gigabytes that cannot fit.
-        dtype, notes = choose_dtype(reader, args, plan, dtype, dtype_given, device, world_size)
+        dtype, notes = choose_dtype(reader, args, plan, dtype, dtype_given, device, world_size, block_scales)
         integer = bool(plan) and device.type == "cpu" and quant_kernels == "integer"
         if integer and not kernels.load(progress):
             notes.append(f"the int8/int4 integer kernels cannot run here: {kernels.unavailable_reason()}; quantized "

@@ -388,7 +388,8 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
 
     Quantized layers are re-packed into their new class's layout (the old tensors are dropped); float ones
     only change class. The activations' dtype is the model's (its embedding's). Forward hooks stay.
-    `kernels` and `integer` are `layer_class`'s.
+    `kernels` and `integer` are `layer_class`'s. Attention becomes row-exact where layers run on the integer
+    kernels (llama/row_attention.py).
     """
     dtype = model.dtype
     for parent in list(model.modules()):
@@ -404,4 +405,18 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
             new = cls.from_layer(layer, dtype)
             new._forward_hooks.update(layer._forward_hooks)
             setattr(parent, name, new)
+    _choose_attention(model)
     return model
+
+
+def _choose_attention(model: nn.Module) -> None:
+    """Attention goes with the linear layers: row-exact (llama/row_attention.py) where they run on the integer
+    kernels, whose rounding would amplify the fused kernel's differences between cached and uncached runs;
+    torch's fused kernel otherwise."""
+    from llama.model import ScaledDotProductAttention
+    from llama.row_attention import RowExactAttention
+
+    integer = any(getattr(m, "integer_kernels", False) for m in model.modules())
+    for module in model.modules():
+        if isinstance(module, ScaledDotProductAttention):
+            module.__class__ = RowExactAttention if integer else ScaledDotProductAttention  # they hold nothing

@@ -91,6 +91,14 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+class ScaledDotProductAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + mask) v, by torch's fused kernel. A module of its own, holding nothing, so that a
+    model on the integer kernels can swap it for a row-exact one (llama/row_attention.py)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -102,6 +110,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.attend = ScaledDotProductAttention()
 
     def forward(
         self,
@@ -135,7 +144,7 @@ class Attention(nn.Module):
             # silently let tokens see the future or hide the past.
             assert mask.shape == (seqlen, kv_len), f"mask {tuple(mask.shape)} for {seqlen} queries, {kv_len} keys"
             mask = mask.repeat(n_rep, 1)  # (n_rep * seqlen, kv_len), matching the folded queries
-        out = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask)
+        out = self.attend(xq, keys, values, mask)
         # (bsz, n_kv_heads, n_rep * seqlen, head_dim) -> (bsz, seqlen, n_heads * head_dim)
         out = out.view(bsz, self.n_kv_heads, n_rep, seqlen, self.head_dim).permute(0, 3, 1, 2, 4)
         return self.wo(out.reshape(bsz, seqlen, -1))

@@ -57,9 +57,19 @@ def _quantized_shapes(full_shapes: Dict[str, torch.Size], plan: Plan) -> Dict[st
     return quantized_shapes(full_shapes, {n: (m, g or full_shapes[n][1]) for n, (m, g) in plan.items()})
 
 
-def model_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dtype, world_size: int) -> int:
-    """Bytes this rank will hold once loaded: quantized tensors at their size, the rest in `dtype`."""
+def model_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dtype, world_size: int,
+                block_scales: bool = False) -> int:
+    """Bytes this rank will hold once loaded: quantized tensors at their size, the rest in `dtype`.
+
+    `block_scales`: the layers will run on the integer kernels, which hold per-channel int8's scale once per
+    block of 32 columns (a sixteenth of the int8 bytes more).
+    """
     shapes = _quantized_shapes(full_shapes, plan)
+    if block_scales:
+        for name, (method, group) in plan.items():
+            out_features, in_features = full_shapes[name]
+            if method == "int8" and group is None and in_features % 32 == 0:
+                shapes[name.removesuffix(".weight") + ".scales"] = torch.Size((out_features, in_features // 32))
     total = 0
     for name, shape in shapes.items():
         itemsize = dtype.itemsize
@@ -72,7 +82,7 @@ def model_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dty
 
 
 def peak_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dtype, world_size: int,
-               n_shards: int, stored_itemsize: int) -> int:
+               n_shards: int, stored_itemsize: int, block_scales: bool = False) -> int:
     """The most memory loading takes at once: the model plus the largest tensor in flight."""
     largest = max(s.numel() for s in full_shapes.values())
     in_flight = largest * max(dtype.itemsize, stored_itemsize)
@@ -80,18 +90,18 @@ def peak_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dtyp
         in_flight += largest * stored_itemsize  # shards joined before this rank's slice is taken
     if plan:
         in_flight = max(in_flight, _QUANTIZE_SCRATCH + largest * stored_itemsize)
-    model = model_bytes(full_shapes, plan, dtype, world_size)
+    model = model_bytes(full_shapes, plan, dtype, world_size, block_scales)
     # Allocator slack and re-packing: the measured peaks of 7B and 13B loads ran past the two terms above by
     # less than this (docs/benchmarks.md, "Figures behind the code").
     return model + in_flight + model // 16 + 256 * 2**20
 
 
 def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan, dtype: torch.dtype, explicit: bool,
-                 device: torch.device, world_size: int) -> Tuple[torch.dtype, List[str]]:
+                 device: torch.device, world_size: int, block_scales: bool = False) -> Tuple[torch.dtype, List[str]]:
     """The dtype to load in, checked to fit in memory with everything loading takes; and notes for the user.
 
     A bf16 checkpoint whose float32 copy would not fit runs in bf16 on the CPU when no dtype was asked for.
-    `source` None checks `dtype` alone, before any weight file is opened.
+    `source` None checks `dtype` alone, before any weight file is opened. `block_scales` is `model_bytes`'s.
 
     Raises:
         LlamaError: even the chosen way would not fit (in one line, with what would).
@@ -103,7 +113,7 @@ def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan
     free = available_memory(device)
 
     def need(d: torch.dtype) -> int:
-        return peak_bytes(full, plan, d, world_size, n_shards, stored_itemsize)
+        return peak_bytes(full, plan, d, world_size, n_shards, stored_itemsize, block_scales)
 
     if free is None or need(dtype) <= free:
         return dtype, []
@@ -123,7 +133,7 @@ def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan
         for method in ("int8", "int4"):
             alternative = {n: (method, None if method == "int8" else DEFAULT_INT4_GROUP_SIZE)
                            for n in full if is_linear_weight(n)}
-            cost = peak_bytes(full, alternative, torch.bfloat16, world_size, n_shards, stored_itemsize)
+            cost = peak_bytes(full, alternative, torch.bfloat16, world_size, n_shards, stored_itemsize, block_scales)
             if cost < need(torch.bfloat16) and cost <= free:
                 options.append(f"quantize={method} dtype=bfloat16 ({cost / gib:.1f} GiB)")
     hint = ("; these would fit: " + ", ".join(options)) if options else \

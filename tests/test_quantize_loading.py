@@ -50,7 +50,7 @@ def two_shards(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant_kernels,bound", [("exact", 1e-5), ("integer", 0.05)])  # test_int_kernels.py's bound
+@pytest.mark.parametrize("quant_kernels,bound", [("exact", 1e-5), ("integer", 0.0)])  # integer: the same bits
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_torchrun_quantizes_each_ranks_slice_and_the_cache_switch_stays_exact(two_shards, prompts_file, method,
                                                                              quant_kernels, bound):
@@ -59,7 +59,7 @@ def test_torchrun_quantizes_each_ranks_slice_and_the_cache_switch_stays_exact(tw
     uncached = records(generate(two_shards, prompts_file, 2, *flags, "--no-kv-cache"))
     for a, b in zip(cached, uncached):
         assert a["tokens"] == b["tokens"]
-        assert max(abs(p - q) for p, q in zip(a["logprobs"], b["logprobs"])) < bound
+        assert max(abs(p - q) for p, q in zip(a["logprobs"], b["logprobs"])) <= bound
 
 
 @pytest.mark.slow

@@ -105,3 +105,16 @@ def test_int4_greedy_text_agrees_with_transformers_for_32_tokens(file_quantized,
     assert file_quantized.tokenizer.encode(prompt, bos=True, eos=False) == ids
     (ours,), _ = file_quantized.generate([ids], 32, temperature=0, ignore_stop=True)
     assert len(theirs) == 32 and ours == theirs
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_on_the_integer_kernels_cached_and_uncached_give_the_same_bits(ckpt_dir, method):
+    """30 layers deep, rounding activations to 8 bits would turn any difference between a cached step and an
+    uncached pass into a different text within a few tokens; the integer kernels and row-exact attention leave
+    none (test_int_kernels.py)."""
+    llama = Llama.build(ckpt_dir, max_seq_len=96, max_batch_size=4, device="cpu", dtype="float32", quantize=method)
+    assert llama.info.quant_kernels == "integer"
+    ids = [llama.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]
+    cached, lp_cached = llama.generate(ids, 24, temperature=0, logprobs=True, ignore_stop=True)
+    uncached, lp_uncached = llama.generate(ids, 24, temperature=0, logprobs=True, ignore_stop=True, kv_cache=False)
+    assert cached == uncached and lp_cached == lp_uncached

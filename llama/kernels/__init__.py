@@ -99,6 +99,10 @@ def _register_fakes() -> None:
     def _(x, weight, scales, mins, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake(lib + "attention")
+    def _(q, k, v, mask):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
     @torch.library.register_fake(lib + "quantize_activations")
     def _(x):
         rows, k = x.shape[:-1].numel(), x.shape[-1]

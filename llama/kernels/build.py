@@ -20,7 +20,7 @@ from llama.paths import home_dir
 from llama.progress import Progress, or_silent, step
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp")
+SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp", "attention.cpp")
 DIR_ENV = "LLAMA_KERNELS_DIR"
 BUILD_NOTE = "building the int8/int4 kernels (once, a minute or two)"
 # The CPU flags that name the cache directory: the paths the library may take here.
