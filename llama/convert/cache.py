@@ -245,18 +245,17 @@ def format_bytes(n: int) -> str:
 def _source_identity(src: Path, kind: str) -> Dict:
     """What the key is made of (see the module's docstring)."""
     if kind == "gguf":
-        files = [src]
-    elif kind == "hf":
-        files = sorted(f for f in src.iterdir() if f.is_file() and f.suffix in _HF_SUFFIXES and not f.name.startswith("."))
-    else:
+        return {"format": FORMAT, "kind": kind, "files": [_file_identity(src)]}  # its name is not part of it
+    if kind != "hf":
         raise LlamaError(f"{src} is of unknown kind {kind!r}")
-    return {"format": FORMAT, "kind": kind, "files": [_file_identity(f) for f in files]}
+    # Within a folder the names matter: config.json and a weight file of the same bytes are not the same source.
+    files = sorted(f for f in src.iterdir() if f.is_file() and f.suffix in _HF_SUFFIXES and not f.name.startswith("."))
+    return {"format": FORMAT, "kind": kind, "files": [{"name": f.name, **_file_identity(f)} for f in files]}
 
 
 def _file_identity(path: Path) -> Dict:
     st = path.stat()
-    return {"name": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "sha256": sample_digest(path, _header_bytes(path))}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sample_digest(path, _header_bytes(path))}
 
 
 def _header_bytes(path: Path) -> int:

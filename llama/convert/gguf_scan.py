@@ -114,7 +114,7 @@ def _check(data: memoryview, src: Path) -> GGUFLayout:
     for _ in range(n_kv):
         cur.string("a metadata key")
         _skip_value(cur, cur.take("<I"))
-    tensors = []
+    tensors, data_end = [], 0
     for _ in range(n_tensors):
         name = cur.text("a tensor name")
         n_dims = cur.take("<I")
@@ -126,6 +126,25 @@ def _check(data: memoryview, src: Path) -> GGUFLayout:
         tensor_type = cur.take("<I")
         if tensor_type > _MAX_TENSOR_TYPE:
             raise cur.fail("an unknown tensor type")
-        cur.take("<Q")  # offset: checked by the reader against the data it maps
+        offset = cur.take("<Q")
         tensors.append((name, tuple(dims), tensor_type))
+        data_end = max(data_end, offset + _tensor_bytes(dims, tensor_type))
+    # The data starts at the header's end rounded up to the file's alignment, so this is the least it needs.
+    if cur.pos + data_end > len(data):
+        raise LlamaError(f"{src} is truncated: its tensors need at least {cur.pos + data_end:,} bytes but the file "
+                         f"has {len(data):,}; download it again")
     return GGUFLayout(cur.pos, tensors)
+
+
+def _tensor_bytes(dims: List[int], tensor_type: int) -> int:
+    """The bytes a tensor's data takes (0 for a type the gguf package does not know: the reader decides)."""
+    import gguf
+
+    try:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor_type)]
+    except (ValueError, KeyError):
+        return 0
+    numel = 1
+    for d in dims:
+        numel *= d
+    return numel // block_size * type_size
