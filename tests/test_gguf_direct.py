@@ -23,7 +23,6 @@ from llama.errors import LlamaError
 from llama.paths import home_dir
 from test_cli import PROMPT, assert_one_line_error, run
 
-pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 from test_convert import save_hf, tiny_hf_model, write_gguf  # noqa: E402  (needs transformers)
 
