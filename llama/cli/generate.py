@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run
-from llama.cli.loading import build_from_flags, is_main_rank
+from llama.cli.loading import build_from_flags, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
 from llama.identity import describe, model_identity
@@ -60,6 +60,7 @@ def main(
     compile: bool = False,
     prompt_cache: str = None,
     quantize: str = None,
+    model: str = None,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -72,7 +73,8 @@ def main(
     Args:
         prompt: the text to continue.
         prompts_file: a UTF-8 file with one prompt per line (instead of --prompt); they run as one batch.
-        ckpt_dir: checkpoint directory in Meta's layout (params.json, consolidated.NN.pth); default: the
+        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
+            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
             default model, fetched on first use.
         tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
         echo: print the prompt before its continuation.
@@ -100,7 +102,9 @@ def main(
         quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
             channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
             loads as stored without it.
+        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
+    ckpt_dir = model_flag(ckpt_dir, model)
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
