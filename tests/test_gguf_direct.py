@@ -94,11 +94,11 @@ def snapshot(entry: Path) -> dict:
 def test_a_source_given_directly_equals_it_converted_by_hand(sources, home, kind):
     src, hand = sources[0][kind], sources[1][kind]
     direct = build(src)
-    assert direct.ckpt_dir.parent == home / "converted"
-    assert_same_files(direct.ckpt_dir, hand)
+    assert direct.info.ckpt_dir.parent == home / "converted"
+    assert_same_files(direct.info.ckpt_dir, hand)
     assert_same_model(direct, build(hand))
     if kind == "q8_0":  # quantized blocks kept as stored, as llama-convert keeps them
-        assert direct.quantization is not None and direct.quantization == build(hand).quantization
+        assert direct.info.quantization is not None and direct.info.quantization == build(hand).info.quantization
 
 
 def test_a_second_use_converts_nothing(sources, home, monkeypatch):
@@ -116,7 +116,7 @@ def test_a_second_use_converts_nothing(sources, home, monkeypatch):
     monkeypatch.setattr("llama.convert.gguf.read_gguf", no_conversion)
     reports.clear(), notes.clear()
     assert resolve_checkpoint(src, progress=lambda *r: reports.append(r[0]), notice=notes.append) == entry
-    assert build(src).ckpt_dir == entry
+    assert build(src).info.ckpt_dir == entry
     assert reports == [] and notes == [] and snapshot(entry) == before
 
 

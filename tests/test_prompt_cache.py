@@ -49,7 +49,7 @@ def test_a_loaded_cache_holds_what_was_saved_and_answers_as_a_fresh_run(saved):
     for (k, v), (k2, v2) in zip(loaded.kv, session.kv_tensors()):
         assert torch.equal(k, k2) and torch.equal(v, v2)
 
-    fresh_session = Session(build(Path(llama.ckpt_dir)).model)
+    fresh_session = Session(build(Path(llama.info.ckpt_dir)).model)
     assert restore(fresh_session, loaded) == len(session.tokens)
     longer = session.tokens + llama.tokenizer.encode(" and more", bos=False, eos=False)
     got = llama.generate([longer], 10, temperature=0, logprobs=True, session=fresh_session)
