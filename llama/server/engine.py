@@ -86,6 +86,7 @@ class Job:
     stop: Seq[str] = ()
     logprobs: Optional[int] = None
     echo_logprobs: bool = False
+    ignore_eos: bool = False  # stop tokens do not end it: it runs to max_tokens (benchmarks)
     text_context: bool = False  # decode completions after the prompt's last tokens (keeps a leading space)
     sequences: List[Sequence] = field(default_factory=list)
     remaining: int = 0
@@ -162,12 +163,17 @@ class Engine:
         waiting = {id(self._choices[s].job) for s in list(self.scheduler.waiting) if s in self._choices}
         return len(waiting) + sum(1 for kind, _ in list(self._inbox) if kind == "submit")
 
-    def drain(self, grace: float) -> None:
-        """Take no new jobs; end those still running after `grace` seconds; return when the loop has stopped."""
+    def stop_accepting(self, grace: float) -> None:
+        """Take no new jobs; end those still running after `grace` seconds (from any thread, at once)."""
         with self._wake:
             self._accepting = False
-            self._deadline = time.monotonic() + grace
+            deadline = time.monotonic() + grace
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
             self._wake.notify()
+
+    def drain(self, grace: float) -> None:
+        """`stop_accepting`, then return when the loop has stopped."""
+        self.stop_accepting(grace)
         if self._thread is not None:
             self._thread.join()
 
@@ -266,7 +272,7 @@ class Engine:
         seq.append(token)
         self.generation_tokens_total += 1
         n_generated = len(seq.generated)
-        if token in self.stop_ids:
+        if token in self.stop_ids and not choice.job.ignore_eos:
             self._end(seq, choice, choice.text.finish(), "stop")
             return
         if choice.job.logprobs is not None:
