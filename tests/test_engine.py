@@ -177,3 +177,17 @@ def test_logprobs_equal_generate_s_including_the_echoed_prompt(llama):
     assert ours == pytest.approx(logprobs[1:], abs=1e-5)
     assert all(len(x.top) == 2 and x.top[0][1] >= x.top[1][1] for x in prompt_lps[1:] + gen_lps)
     engine.drain(5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
+def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt):
+    llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN)  # its own model: compiling changes the layers' classes
+    scheduler = Scheduler(64, 4, 8, 16)
+    engine = Engine(llama.tokenizer, scheduler, Runner(llama.model, 64, 4, compile=True))
+    engine.start()
+    ps = prompts(llama)
+    collectors = run_jobs(engine, [Job(p, 12, None, temperature=0) for p in ps])
+    for p, c in zip(ps, collectors):
+        assert c.texts() == [llama.tokenizer.decode(solo(llama, p, 12)[0])]
+    engine.drain(5)

@@ -91,7 +91,8 @@ def main(
         device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         quantize: int8 or int4: hold every linear layer's weights quantized as they load.
-        compile: accepted for the loading flags' sake: the server's batched step runs eagerly (see README).
+        compile: compile the batched decode step with torch.compile before serving (prompt chunks run eagerly);
+            slower to start, faster per token. Needs a C++ compiler on the CPU; not with --no-kv-cache.
     """
     for name, value, low in (("--port", port, 0), ("--parallel", parallel, 1), ("--max-seq-len", max_seq_len, 2),
                              ("--block-size", block_size, 1), ("--prefill-chunk", prefill_chunk, 1),
@@ -101,7 +102,11 @@ def main(
     if port > 65535:
         fail(f"--port must be at most 65535, not {port}")
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    from llama.server.http import ServerState, create_app  # after the flags: starlette loads in a moment
+    try:
+        import uvicorn  # noqa: F401
+        from llama.server.http import ServerState, create_app
+    except ImportError as e:
+        fail(f"llama-server needs {e.name}: pip install 'llama-kv[server]'")
 
     try:
         sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -162,10 +167,13 @@ def _load(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_
                              f"{model.device} but only {free / 2**30:.2f} GiB is available; lower --kv-cache-size")
         line = (f"--parallel {parallel}, KV cache {num_blocks * block_size:,} tokens in {num_blocks:,} blocks of "
                 f"{block_size}, {nbytes / 2**20:,.1f} MiB")
-    if compile:
-        line += "; --compile is not used by the server's batched step, which runs eagerly"
+    if compile and not no_kv_cache:
+        print("compiling the batched decode step (--compile): a minute or two the first time, less once Inductor "
+              "has it cached on disk", file=sys.stderr, flush=True)
+        line += "; decode step compiled"
     scheduler = Scheduler(max(num_blocks, 1), block_size, parallel, prefill_chunk, kv_cache=not no_kv_cache)
-    engine = Engine(llama.tokenizer, scheduler, Runner(model, num_blocks, block_size), max_waiting)
+    runner = Runner(model, num_blocks, block_size, compile=compile and not no_kv_cache)
+    engine = Engine(llama.tokenizer, scheduler, runner, max_waiting)
     engine.start()
     return engine, line
 

@@ -8,12 +8,15 @@ position 0 through the model's plain path, as `Llama.generate(kv_cache=False)` d
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+from torch import nn
 
+from llama.compile import _quiet_inductor as quiet_inductor  # the same notes llama/compile.py holds back
 from llama.errors import LlamaError
 from llama.generation import sample
+from llama.linears import choose_layer_classes
 from llama.model import Transformer
 
 
@@ -61,10 +64,11 @@ class Runner:
         num_blocks, block_size: the KV cache's blocks; num_blocks 0 runs without a cache.
     """
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, compile: bool = False):
         self.model = model
         self.device = model.device
         self.cache = model.new_paged_kv_cache(num_blocks, block_size) if num_blocks > 0 else None
+        self.compiled = _compile(model, self.cache) if compile and self.cache is not None else None
 
     @torch.inference_mode()
     def step(self, copies: Sequence[Tuple[int, int, int]], rows: Sequence[Row]) -> List[Result]:
@@ -95,13 +99,17 @@ class Runner:
         """Logits of rows that feed the same number of tokens, each at its positions: (len(rows), n, vocab),
         or only the last position's when no row wants them all."""
         n = len(rows[0].tokens)
-        width = max(len(row.blocks) for row in rows)
+        all_logits = any(row.all_logits for row in rows)
+        # Prompt chunks run eagerly, as llama/compile.py runs prompts: their lengths vary too much to compile.
+        compiled = self.compiled is not None and n == 1 and not all_logits
+        forward = self.compiled if compiled else self.model
+        # A compiled step would specialise on a table one block wide: pad to two (the padding is masked).
+        width = max([len(row.blocks) for row in rows] + [2 if compiled else 1])
         tables = torch.tensor([row.blocks + [row.blocks[0]] * (width - len(row.blocks)) for row in rows], device=self.device)
         tokens = torch.tensor([row.tokens for row in rows], device=self.device)
         input_pos = torch.tensor([[row.start + k for k in range(n)] for row in rows], device=self.device)
         caches = self.cache.for_step(tables, input_pos)
-        all_logits = any(row.all_logits for row in rows)
-        return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=None if all_logits else 1)
+        return forward(tokens, cache=caches, input_pos=input_pos, num_logits=None if all_logits else 1)
 
     def _finish(self, row: Row, logits: torch.Tensor) -> Result:
         """Sample from a row's last logits, and the log-probabilities asked for. `logits`: (positions, vocab)."""
@@ -125,6 +133,35 @@ class Runner:
             result.logprob = float(logprobs[0, result.token])
             result.top = _top(logprobs, sampler.top_logprobs)[0] if sampler.top_logprobs else []
         return result
+
+
+def _compile(model: Transformer, cache) -> Callable:
+    """The decode step (one token per row, rows at their own positions) through torch.compile, compiled now.
+
+    Batch size and the number of blocks read are symbolic, so one compilation serves every step (batch 1
+    is specialised and compiled too). The layers become the compiled path's classes and float weights are
+    laid out row-major, as `Llama.build(compile=True)` does for its own step.
+
+    Raises:
+        LlamaError: torch.compile could not build the step (on the CPU it needs a C++ compiler).
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
+            module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
+    choose_layer_classes(model, compiled=True)
+    compiled = torch.compile(model, dynamic=True, fullgraph=True)
+    quiet_inductor()
+    try:
+        with torch.inference_mode():
+            for bsz in (2, 1):  # block 0's first position is scratch until a sequence takes the block
+                pos = torch.zeros((bsz, 1), dtype=torch.long, device=model.device)
+                tables = torch.zeros((bsz, 2), dtype=torch.long, device=model.device)
+                compiled(pos, cache=cache.for_step(tables, pos), input_pos=pos, num_logits=1)
+    except Exception as e:  # Inductor fails in many ways (no compiler, a bad toolchain)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LlamaError(f"compile=True failed: torch.compile could not build the server's step ({reason}); "
+                         "run without compile=True") from e
+    return compiled
 
 
 def _top(logprobs: torch.Tensor, k: int) -> List[List[Tuple[int, float]]]:
