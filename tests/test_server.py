@@ -387,3 +387,27 @@ def test_sigterm_ends_requests_in_flight_and_exits_0(ckpt):
     assert rest[-1] == "data: [DONE]" or json.loads(rest[-1][5:])["error"]["code"] == "shutting_down"
     assert s.proc.wait(60) == 0 and time.monotonic() - start < 30
     assert any("stopping" in line for line in s.lines) and s.lines[-1].endswith("stopped")
+
+
+def test_kv_cache_size_is_tokens_or_bytes_with_a_unit():
+    from llama.cli.server import kv_cache_positions
+
+    assert kv_cache_positions(None, 1000, 4096) == 4096
+    assert kv_cache_positions(2048, 1000, 1) == 2048
+    assert kv_cache_positions("2048", 1000, 1) == 2048
+    assert kv_cache_positions("1MiB", 1024, 1) == 1024 and kv_cache_positions("2 MB", 1000, 1) == 2000
+    with pytest.raises(SystemExit):
+        kv_cache_positions("lots", 1000, 1)
+    with pytest.raises(SystemExit):
+        kv_cache_positions("10b", 1000, 1)  # less than one token
+
+
+def test_a_bad_checkpoint_or_a_taken_port_is_a_one_line_error(server, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    port = server.url.rsplit(":", 1)[1]
+    for args, fragment in ((["--ckpt-dir", tmp_path, "--port", "0"], "params.json does not exist"),
+                           (["--port", port], f"cannot listen on 127.0.0.1:{port}")):
+        r = subprocess.run([sys.executable, "-m", "llama.cli.server", *map(str, args)], capture_output=True, text=True,
+                           timeout=300, env=env, cwd=REPO)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in r.stderr

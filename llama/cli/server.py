@@ -114,7 +114,7 @@ def main(
         fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
     port = sock.getsockname()[1]
     name = model_name or (Path(str(ckpt_dir)).resolve().name if ckpt_dir is not None else DEFAULT_MODEL)
-    state = ServerState(model_id=name, api_key=api_key)
+    state = ServerState(model_id=name, api_key=api_key, log=_log)
     server = _Server(create_app(state), shutdown_grace)
     failure = []
 
@@ -173,9 +173,13 @@ def _load(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_
         line += "; decode step compiled"
     scheduler = Scheduler(max(num_blocks, 1), block_size, parallel, prefill_chunk, kv_cache=not no_kv_cache)
     runner = Runner(model, num_blocks, block_size, compile=compile and not no_kv_cache)
-    engine = Engine(llama.tokenizer, scheduler, runner, max_waiting)
+    engine = Engine(llama.tokenizer, scheduler, runner, max_waiting, log=_log)
     engine.start()
     return engine, line
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _uvicorn_server():

@@ -8,7 +8,6 @@ becomes its sequences (one per choice), a scheduled piece becomes a row, a sampl
 """
 
 import random
-import sys
 import threading
 import time
 import traceback
@@ -109,10 +108,12 @@ class Engine:
         scheduler: decides each step.
         runner: runs it.
         max_waiting: jobs that may wait for room before `submit` refuses more.
+        log: told a line (with its traceback) when something fails inside the loop; the server goes on.
     """
 
-    def __init__(self, tokenizer, scheduler: Scheduler, runner: Runner, max_waiting: int = 64):
-        self.tokenizer, self.scheduler, self.runner = tokenizer, scheduler, runner
+    def __init__(self, tokenizer, scheduler: Scheduler, runner: Runner, max_waiting: int = 64,
+                 log: Callable[[str], None] = lambda line: None):
+        self.tokenizer, self.scheduler, self.runner, self.log = tokenizer, scheduler, runner, log
         self.stop_ids = set(tokenizer.stop_ids)
         self.max_waiting = max_waiting
         self._inbox: Deque[Tuple[str, Job]] = deque()
@@ -181,19 +182,44 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            with self._wake:
-                while not self._inbox and not self.scheduler.has_work and self._accepting:
-                    self._wake.wait()
-                inbox, self._inbox = list(self._inbox), deque()
-            for kind, job in inbox:
-                self._add(job) if kind == "submit" else self._cancel(job)
-            if self._deadline is not None and time.monotonic() > self._deadline:
+            try:
+                if self._iterate():
+                    return
+            except Exception as e:  # a bug here must not stop the server: the jobs in flight end, the loop goes on
+                self._report("the serving loop failed", e)
                 for job in {id(c.job): c.job for c in self._choices.values()}.values():
-                    self._fail(job, Failed("the server shut down before this request finished", 503))
-            if not self._accepting and not self.scheduler.has_work and not self._inbox:
-                return
-            if self.scheduler.has_work:
-                self._step()
+                    try:
+                        self._fail(job, Failed(f"the server failed on this request: {type(e).__name__}"))
+                    except Exception as again:
+                        self._report("ending a request failed too", again)
+                        job.emit(Failed(f"the server failed on this request: {type(e).__name__}"))
+
+    def _iterate(self) -> bool:
+        """One turn of the loop: take what came in, run a step; True when the loop should end."""
+        with self._wake:
+            while not self._inbox and not self.scheduler.has_work and self._accepting:
+                self._wake.wait()
+            inbox, self._inbox = list(self._inbox), deque()
+        for kind, job in inbox:
+            if kind == "cancel":
+                self._cancel(job)
+                continue
+            try:
+                self._add(job)
+            except Exception as e:
+                self._report("a request could not be queued", e)
+                self._fail(job, Failed(f"the server could not queue this request: {type(e).__name__}: {e}"))
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            for job in {id(c.job): c.job for c in self._choices.values()}.values():
+                self._fail(job, Failed("the server shut down before this request finished", 503))
+        if not self._accepting and not self.scheduler.has_work and not self._inbox:
+            return True
+        if self.scheduler.has_work:
+            self._step()
+        return False
+
+    def _report(self, what: str, e: Exception) -> None:
+        self.log(f"llama-server: {what}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)).rstrip())
 
     def _add(self, job: Job) -> None:
         if not self._accepting:
@@ -203,7 +229,7 @@ class Engine:
         for i in range(job.n):
             seq = Sequence(job.prompt, prompt_logprobs=job.echo_logprobs and i == 0, after=first)
             first = first or seq
-            seed = job.seed + i if job.seed is not None else random.getrandbits(63)
+            seed = (job.seed + i) % 2**64 if job.seed is not None else random.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
             context = job.prompt if job.text_context else ()
             self._choices[seq] = _Choice(job, i, TextState(self.tokenizer, job.stop, context),
@@ -233,8 +259,7 @@ class Engine:
         try:
             results = self.runner.step(step.copies, rows)
         except Exception as e:  # one bad step ends the jobs in it, never the server
-            print(f"llama-server: a step failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            traceback.print_exc(file=sys.stderr)
+            self._report("a step failed", e)
             # Ended before `update`, so that nothing this step half-wrote is entered in the prefix tree.
             for job in {id(p.seq): self._choices[p.seq].job for p in step.pieces if p.seq in self._choices}.values():
                 self._fail(job, Failed(f"the model failed on this request: {e}"))
