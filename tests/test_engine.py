@@ -191,3 +191,13 @@ def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt):
     for p, c in zip(ps, collectors):
         assert c.texts() == [llama.tokenizer.decode(solo(llama, p, 12)[0])]
     engine.drain(5)
+
+
+def test_quantized_weights_serve_what_they_generate(gqa_ckpt):
+    llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, quantize="int8")
+    engine = make_engine(llama)
+    ps = prompts(llama)[:4]
+    collectors = run_jobs(engine, [Job(p, 16, None, temperature=0) for p in ps])
+    for p, c in zip(ps, collectors):
+        assert c.texts() == [llama.tokenizer.decode(solo(llama, p, 16)[0])]
+    engine.drain(5)

@@ -241,7 +241,7 @@ def test_eight_concurrent_clients_get_their_solo_answers(server, llama):
         answers = list(pool.map(ask, range(8)))
     for messages, text in answers:
         assert text == solo_chat(llama, messages, 30)[0]
-    assert server.metrics()["llama_kv_kv_cache_blocks_used"] == 0
+    assert server.metrics()["llama_kv_cache_blocks_used"] == 0
 
 
 def test_a_client_that_disconnects_frees_its_sequence(server):
@@ -257,7 +257,7 @@ def test_a_client_that_disconnects_frees_its_sequence(server):
         if m["llama_kv_sequences_running"] == 0:
             break
         time.sleep(0.2)
-    assert m["llama_kv_sequences_running"] == 0 and m["llama_kv_kv_cache_blocks_used"] == 0
+    assert m["llama_kv_sequences_running"] == 0 and m["llama_kv_cache_blocks_used"] == 0
     # Freed long before its 180 tokens: it would otherwise have run to the end.
     assert m["llama_kv_generation_tokens_total"] - before["llama_kv_generation_tokens_total"] < 150
     assert any("client disconnected" in line for line in server.lines)
@@ -402,6 +402,7 @@ def test_kv_cache_size_is_tokens_or_bytes_with_a_unit():
         kv_cache_positions("10b", 1000, 1)  # less than one token
 
 
+@pytest.mark.slow
 def test_a_bad_checkpoint_or_a_taken_port_is_a_one_line_error(server, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     port = server.url.rsplit(":", 1)[1]
@@ -411,3 +412,14 @@ def test_a_bad_checkpoint_or_a_taken_port_is_a_one_line_error(server, tmp_path):
                            timeout=300, env=env, cwd=REPO)
         assert r.returncode == 1 and "Traceback" not in r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in r.stderr
+
+
+def test_metrics_say_what_runs_waits_and_what_the_cache_holds(server):
+    m = server.metrics()
+    for name in ("requests_running", "requests_waiting", "prompt_tokens_total", "generation_tokens_total",
+                 "prefix_cache_reused_tokens_total", "cache_blocks_used", "cache_blocks_free", "cache_bytes_used",
+                 "cache_bytes_free"):
+        assert f"llama_kv_{name}" in m
+    assert m["llama_kv_cache_blocks_total"] * m["llama_kv_cache_block_size"] >= KV_TOKENS
+    assert m["llama_kv_cache_blocks_used"] + m["llama_kv_cache_blocks_free"] == m["llama_kv_cache_blocks_total"]
+    assert m["llama_kv_prefix_cache_reused_tokens_total"] > 0  # the earlier tests shared system prompts

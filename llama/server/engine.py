@@ -340,12 +340,12 @@ class Engine:
         if pool is not None:
             per_block = self.runner.cache.nbytes // pool.num_blocks
             out.update({
-                "kv_cache_block_size": pool.block_size,
-                "kv_cache_blocks_total": pool.num_blocks,
-                "kv_cache_blocks_used": pool.used,
-                "kv_cache_blocks_free": pool.available,
-                "kv_cache_blocks_cached": len(pool.evictable),
-                "kv_cache_bytes_used": pool.used * per_block,
-                "kv_cache_bytes_free": pool.available * per_block,
+                "cache_block_size": pool.block_size,
+                "cache_blocks_total": pool.num_blocks,
+                "cache_blocks_used": pool.used,
+                "cache_blocks_free": pool.available,
+                "cache_blocks_cached": len(pool.evictable),
+                "cache_bytes_used": pool.used * per_block,
+                "cache_bytes_free": pool.available * per_block,
             })
         return out
