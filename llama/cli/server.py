@@ -215,6 +215,14 @@ def _Server(app, grace: float):
 
 
 def cli() -> None:
+    # OpenMP's workers spin between parallel regions unless told to sleep, and the policy is read once, when torch
+    # loads it: too early for anything but the environment. A server shares its cores with its own HTTP thread
+    # and its clients, and there spinning workers starve the very threads they wait for: on the shared 2-core
+    # machine, one client got 2.7 tokens/s spinning against 8.3 sleeping, four clients 1.0 against 11.3
+    # (scripts/bench_server.py, docs/benchmarks.md). So, unless the variable is set, start again with it set.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, "-m", "llama.cli.server", *sys.argv[1:]])
     run(main, "llama-server")
 
 
