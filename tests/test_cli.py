@@ -5,37 +5,12 @@ import json
 import os
 import pty
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE_TOKENIZER, REPO
+from helpers import BIN, EXAMPLE_TOKENIZER, PROMPT, assert_one_line_error, generate, run
 from llama.cli.streaming import TextStream
 from llama.tokenizer import Tokenizer
-
-BIN = Path(sys.executable).parent
-PROMPT = "I believe the meaning of life is"
-
-
-def run(cmd, *args, input=None, env=None):
-    exe = str(BIN / cmd) if not cmd.endswith(".py") else sys.executable
-    argv = [exe] + ([str(REPO / cmd)] if cmd.endswith(".py") else []) + [str(a) for a in args]
-    return subprocess.run(argv, capture_output=True, text=True, input=input, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
-def generate(ckpt, *args, **kwargs):
-    return run("llama-generate", "--ckpt-dir", ckpt, "--temperature", "0", "--max-gen-len", "12", *args, **kwargs)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 def test_generate_echo_prints_prompt_then_continuation(gqa_ckpt):

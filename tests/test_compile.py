@@ -9,8 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import build
-from test_cli import run
+from helpers import build, run
 
 pytestmark = [
     pytest.mark.slow,

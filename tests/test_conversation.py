@@ -4,22 +4,16 @@ LLaMA-2's (which re-encodes earlier replies between </s><s>) on a random checkpo
 tokenizer. A conversation that outgrows the context drops its oldest exchanges, keeping the system prompt.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import TEST_STD, tiny_args
+from helpers import chat, write_tiny
 from llama import Llama
-from llama.random_weights import write_random_checkpoint
 from llama.convert.llama2_vocab import TOKENIZER_MODEL, fetch_llama2_vocab
 from llama.conversation import Conversation
 from llama.errors import LlamaError
 from llama.prompt_cache import PromptCacheError
-
-BIN = Path(sys.executable).parent
 MESSAGES = ["Hello! Who are you?", "What is the capital of France?", "And the capital of Italy?", "/reset",
             "Name three colours.", "Why is the sky blue?", "Thank you, goodbye."]
 
@@ -32,9 +26,8 @@ def llama2_tokenizer() -> Path:
 @pytest.fixture(scope="module")
 def llama2_ckpt(tmp_path_factory) -> Path:
     """A tiny random LLaMA-2 model with LLaMA-2's real 32,000-piece tokenizer (and so its chat format)."""
-    path = tmp_path_factory.mktemp("llama2") / "ckpt"
-    write_random_checkpoint(path, tiny_args("gqa", vocab_size=32000), seed=3, tokenizer_path=llama2_tokenizer(),
-                            std=TEST_STD)
+    path, _ = write_tiny(tmp_path_factory.mktemp("llama2") / "ckpt", seed=3, tokenizer=llama2_tokenizer(),
+                         vocab_size=32000)
     return path
 
 
@@ -138,8 +131,7 @@ def test_a_saved_conversation_resumes_with_its_cache(llama2_ckpt, tmp_path):
     assert reply.tokens == whole[2][1].tokens
     assert reply.reused == whole[2][1].reused > 0  # resuming reuses what an unbroken chat would have
 
-    other, _ = write_random_checkpoint(tmp_path / "other", tiny_args("gqa", vocab_size=32000), seed=4,
-                                       tokenizer_path=llama2_tokenizer(), std=TEST_STD)
+    other, _ = write_tiny(tmp_path / "other", seed=4, tokenizer=llama2_tokenizer(), vocab_size=32000)
     stranger = Conversation(Llama.build(other, max_seq_len=256, max_batch_size=1, device="cpu", dtype="float32"))
     with pytest.raises(PromptCacheError, match="not by the model loaded now"):
         stranger.resume(tmp_path / "chat.kv")
@@ -164,15 +156,6 @@ def test_reset_after_resuming_returns_to_the_saved_system_prompt(llama2_ckpt, tm
     resumed.resume(tmp_path / "plain.kv")
     resumed.reset()
     assert resumed.dialog == []
-
-
-def chat(ckpt, *args, input: str):
-    length = [] if "--max-gen-len" in args else ["--max-gen-len", "8"]
-    result = subprocess.run([str(BIN / "llama-chat"), "--ckpt-dir", str(ckpt), "--temperature", "0",
-                             *length, *map(str, args)], input=input, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    return result
 
 
 def test_chat_command_reports_reuse_and_resumes_a_saved_session(gqa_ckpt, tmp_path):

@@ -2,56 +2,19 @@
 converts into Meta's layout and computes the same logits as transformers does."""
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import EXAMPLE_TOKENIZER, HF_SHAPE, convert_cli, save_hf, tiny_hf_model
 from llama import Llama
 from llama.errors import LlamaError
 from llama.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
-
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE_TOKENIZER = REPO / "tokenizer.model.example"
-
-# An intermediate size that Meta's multiple_of rule cannot give (so params.json needs hidden_dim), and a
-# rope_theta and epsilon away from the defaults, so that losing any of them changes the logits.
-HF_SHAPE = dict(vocab_size=4000, hidden_size=64, intermediate_size=200, num_hidden_layers=2,
-                num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0, rms_norm_eps=1e-6,
-                max_position_embeddings=128)
-
-
-def convert_cli(src: Path, dest: Path, *extra: str) -> subprocess.CompletedProcess:
-    """Run the llama-convert console script (or its module, where the script is not installed)."""
-    script = shutil.which("llama-convert")
-    cmd = [script] if script else [sys.executable, "-m", "llama.cli.convert"]
-    return subprocess.run(cmd + [str(src), str(dest), *extra], capture_output=True, text=True)
-
-
-def tiny_hf_model(tied: bool):
-    config = transformers.LlamaConfig(**HF_SHAPE, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    # A larger init than the default 0.02 makes the logits spread out, so a wrong permutation shows.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0.0, 0.1)
-            else:
-                p.uniform_(0.5, 1.5)  # not all ones, so swapped norms would show
-    return model.eval()
-
-
-def save_hf(model, path: Path) -> Path:
-    model.save_pretrained(path, safe_serialization=True)
-    shutil.copyfile(EXAMPLE_TOKENIZER, path / "tokenizer.model")
-    return path
 
 
 def permute_for_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from conftest import build, write_tiny
-from llama.random_weights import PRESETS
+from gguf_writer import write_llama_gguf
+from helpers import BIN, assert_one_line_error, build, convert_cli, generate, write_tiny
 from llama.errors import LlamaError
-from test_cli import BIN, assert_one_line_error, generate
+from llama.random_weights import PRESETS
 
 
 def _set(path, name, text):
@@ -148,8 +148,6 @@ def _limit_file_size(max_bytes):
 
 
 def test_a_full_disk_during_convert_leaves_nothing(tmp_path):
-    from gguf_writer import write_llama_gguf
-
     src = tmp_path / "model.gguf"
     write_llama_gguf(src)
     dest = tmp_path / "out" / "ckpt"
@@ -160,7 +158,7 @@ def test_a_full_disk_during_convert_leaves_nothing(tmp_path):
     assert last.startswith("error: could not write") and "is the disk full" in last
     assert not dest.exists()
     assert list((tmp_path / "out").iterdir()) == []  # no staging directory left behind either
-    ok = subprocess.run([str(BIN / "llama-convert"), str(src), str(dest)], capture_output=True, text=True, timeout=300)
+    ok = convert_cli(src, dest)
     assert ok.returncode == 0 and ok.stdout.strip().endswith(str(dest))
 
 

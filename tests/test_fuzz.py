@@ -302,8 +302,8 @@ def _summary(failures) -> str:
 def test_malformed_files_end_in_llama_error(tmp_path):
     import pytest
 
-    from conftest import write_tiny
     from gguf_writer import write_llama_gguf
+    from helpers import write_tiny
 
     start = time.perf_counter()
     base_gguf = write_llama_gguf(tmp_path / "base.gguf", n_layers=1, dim=32, n_heads=4, n_kv_heads=2, hidden=64)

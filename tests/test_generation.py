@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import build
+from helpers import build
 from llama.chat_format import B_INST, E_INST, UNSAFE_ERROR, encode_dialog_llama2
 from llama.errors import LlamaError
 from llama.generation import sample_top_p

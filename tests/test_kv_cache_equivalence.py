@@ -8,7 +8,7 @@ what each prompt gives alone.
 import pytest
 import torch
 
-from conftest import build
+from helpers import build
 from llama.checkpoint import load_checkpoint, model_args, read_params
 from reference import reference_logits
 

@@ -5,22 +5,17 @@ The first run downloads the vocabulary (see test_llama2_tokenizer.py); later run
 """
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from sentencepiece import SentencePieceProcessor
 
-from conftest import REPO
 from gguf_writer import MIXED_TYPES, write_llama_gguf
+from helpers import PROMPT, convert_cli, run
 from llama import Llama
 from llama.convert.llama2_vocab import TOKENIZER_MODEL, VOCAB_GGUF, fetch_llama2_vocab, read_llama_cpp_vectors
 
-BIN = Path(sys.executable).parent
-PROMPT = "I believe the meaning of life is"
 PROMPT_IDS = [1, 306, 4658, 278, 6593, 310, 2834, 338]
 GEN_LEN = 20
 
@@ -43,8 +38,7 @@ def converted(gguf_dir, tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("converted") / "ckpt"
     # Float weights: these tests edit them and compare float logits with transformers' (tests of the
     # quantized conversion are in test_quant_convert.py).
-    result = subprocess.run([str(BIN / "llama-convert"), str(gguf_dir / "model.gguf"), str(dest), "--dequantize"],
-                            capture_output=True, text=True, timeout=300)
+    result = convert_cli(gguf_dir / "model.gguf", dest, "--dequantize")
     assert result.returncode == 0, result.stderr
     return dest
 
@@ -129,11 +123,8 @@ def test_greedy_continuation_matches_transformers_with_and_without_cache(ours, t
 
 def test_scaled_down_llama2_checkpoint_with_the_real_tokenizer(vocab_dir, tmp_path):
     dest = tmp_path / "small7b"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "write_random_checkpoint.py"), str(dest), "--size", "7B",
-         "--n_layers", "2", "--dim", "256", "--n_heads", "2", "--tokenizer", str(vocab_dir / TOKENIZER_MODEL),
-         "--dtype", "float32"],
-        capture_output=True, text=True, timeout=300)
+    result = run("scripts/write_random_checkpoint.py", dest, "--size", "7B", "--n_layers", "2", "--dim", "256",
+                 "--n_heads", "2", "--tokenizer", vocab_dir / TOKENIZER_MODEL, "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     params = json.loads((dest / "params.json").read_text())
     # The 7B preset's vocab_size -1 is resolved from the tokenizer when the file is written.

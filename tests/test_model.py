@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_args
+from helpers import tiny_args
 from llama.checkpoint import model_args
 from llama.random_weights import PRESETS, random_state_dict
 from llama.kv_cache import KVCache

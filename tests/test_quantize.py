@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
+from helpers import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
 from llama import quant_format as qf
 from llama.checkpoint import save_checkpoint
 from llama.random_weights import random_state_dict

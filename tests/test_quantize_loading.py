@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLE_TOKENIZER, build, write_tiny
+from helpers import BIN, EXAMPLE_TOKENIZER, TORCHRUN, build, tiny_args, write_tiny
 from llama import quant_format as qf
 from llama.checkpoint import save_checkpoint
-from llama.random_weights import write_random_checkpoint
 from llama.model import ModelArgs
+from llama.random_weights import write_random_checkpoint
 
-BIN = Path(sys.executable).parent
 PROMPTS = ["I believe the meaning of life is", "Hello", "def fibonacci(n):"]
 
 
@@ -24,10 +23,9 @@ def generate(ckpt, prompts_file, nproc, *flags):
             "--temperature", "0", "--max-gen-len", "12", "--device", "cpu", *flags]
     cmd = [str(BIN / "llama-generate")]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "--no-python"] + cmd
-    result = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return result
+        cmd = TORCHRUN + [f"--nproc_per_node={nproc}", "--no-python"] + cmd
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def records(result):
@@ -151,16 +149,12 @@ def test_peak_memory_of_loading_is_what_the_memory_check_reckons(mid_ckpt, gqa_c
 
 @pytest.fixture(scope="module")
 def bf16_tiny(tmp_path_factory):
-    from conftest import tiny_args
-
-    path, _ = write_random_checkpoint(tmp_path_factory.mktemp("bf16") / "tiny", tiny_args("gqa"), dtype=torch.bfloat16,
-                                      tokenizer_path=EXAMPLE_TOKENIZER, std=0.1)
+    path, _ = write_tiny(tmp_path_factory.mktemp("bf16") / "tiny", dtype=torch.bfloat16)
     return path
 
 
 def _needs(path):
     """What loading the tiny bf16 checkpoint needs in float32 and in bf16, by the loader's own reckoning."""
-    from conftest import tiny_args
     from llama.checkpoint import expected_shapes
     from llama.weights import peak_bytes
 

@@ -8,7 +8,7 @@ last one, diverges from it, or stops inside it.
 import pytest
 import torch
 
-from conftest import build
+from helpers import build
 from llama.errors import LlamaError
 from llama.session import Session, common_prefix_len
 

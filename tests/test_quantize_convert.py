@@ -2,8 +2,6 @@
 `llama-convert --quantize` of float sources, the quantization record, and the errors."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -15,8 +13,8 @@ from llama import quant_format
 from llama.convert.gguf import convert_gguf
 from llama.convert.gguf_quant import keep_quantized
 
-from conftest import EXAMPLE_TOKENIZER, build, write_tiny
 from gguf_writer import Q, random_blocks, write_llama_gguf
+from helpers import EXAMPLE_TOKENIZER, build, convert_cli, write_tiny
 
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
 GGUF_NAMES = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
@@ -24,11 +22,6 @@ GGUF_NAMES = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv"
               "feed_forward.w2": "ffn_down"}
 # A shape whose rows are whole k-quant super-blocks of 256.
 K_SHAPE = dict(dim=256, hidden=512, n_heads=4, n_kv_heads=2)
-
-
-def convert_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llama.cli.convert", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
 
 
 def load(ckpt: Path):
@@ -228,7 +221,7 @@ def test_converted_quantized_gguf_generates_like_its_float_conversion(tmp_path, 
 
 def test_quantize_a_hugging_face_directory_memory_mapped(tmp_path):
     from llama.convert.hf import convert_hf
-    from test_convert import save_hf, tiny_hf_model
+    from helpers import save_hf, tiny_hf_model
 
     src = save_hf(tiny_hf_model(tied=True), tmp_path / "hf")
     wide = load(convert_hf(src, tmp_path / "wide"))

@@ -1,0 +1,169 @@
+"""What several test files share: tiny random checkpoints, building them, and running the commands.
+
+Test files import these names (`from helpers import build, generate`); conftest.py holds only the fixtures.
+
+Every tiny model's weights come from a seed. `LLAMA_TEST_SEED=N` adds N to every seed, so a run draws other
+weights, as a newer torch's random number generation does: a test that passes only for the weights one torch
+happens to draw shows itself then.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import torch
+
+from llama import Llama
+from llama.model import ModelArgs
+from llama.random_weights import write_random_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE_TOKENIZER = REPO / "tokenizer.model.example"
+# The console scripts installed beside this Python.
+BIN = Path(sys.executable).parent
+# torchrun as a module of this Python: a virtual environment that takes torch from the system's site-packages
+# has no torchrun script of its own.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+PROMPT = "I believe the meaning of life is"
+
+# Multi-head, grouped-query and multi-query attention: n_heads / n_kv_heads = 1, 4 and 4 (down to 1 KV head).
+ATTENTION_SHAPES = {
+    "mha": {"n_heads": 4, "n_kv_heads": 4},
+    "gqa": {"n_heads": 8, "n_kv_heads": 2},
+    "mqa": {"n_heads": 4, "n_kv_heads": 1},
+}
+
+# A large init scale makes the tiny models' next-token distributions peaked, so greedy decoding is not
+# decided by near-ties that float rounding could flip.
+TEST_STD = 0.1
+
+SEED_OFFSET = int(os.environ.get("LLAMA_TEST_SEED", "0"))
+
+
+def tiny_args(kind: str = "gqa", **overrides) -> ModelArgs:
+    fields = dict(dim=64, n_layers=2, vocab_size=4000, multiple_of=32, norm_eps=1e-5, max_seq_len=64, max_batch_size=8)
+    fields.update(ATTENTION_SHAPES[kind])
+    fields.update(overrides)
+    return ModelArgs(**fields)
+
+
+def write_tiny(path: Path, kind: str = "gqa", num_shards: int = 1, seed: int = 0, tokenizer: Path = EXAMPLE_TOKENIZER,
+               dtype: torch.dtype = torch.float32, **overrides):
+    """A tiny checkpoint at `path` (float32 unless `dtype` says otherwise); returns (path, state_dict)."""
+    return write_random_checkpoint(path, tiny_args(kind, **overrides), seed=seed + SEED_OFFSET, dtype=dtype,
+                                   tokenizer_path=tokenizer, num_shards=num_shards, std=TEST_STD)
+
+
+
+
+def build(ckpt: Path, **kwargs) -> Llama:
+    kwargs = {"max_seq_len": 64, "max_batch_size": 8, "device": "cpu", "dtype": "float32", **kwargs}
+    return Llama.build(ckpt, **kwargs)
+
+
+def run(cmd: str, *args, input: str = None, env: dict = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A console script (`llama-generate`) or a script of this repository (`scripts/x.py`), as a user runs it."""
+    if cmd.endswith(".py"):
+        argv = [sys.executable, str(REPO / cmd)]
+    else:
+        argv = [str(BIN / cmd)]
+    return subprocess.run(argv + [str(a) for a in args], capture_output=True, text=True, input=input,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def generate(ckpt: Path, *args, **kwargs) -> subprocess.CompletedProcess:
+    """llama-generate, greedy, 12 new tokens at the most, unless `args` say otherwise (later flags win)."""
+    return run("llama-generate", "--ckpt-dir", ckpt, "--temperature", "0", "--max-gen-len", "12", *args, **kwargs)
+
+
+def generate_json(ckpt: Path, *args, nproc: int = 1, max_gen_len: int = 12) -> List[dict]:
+    """llama-generate's JSON records (greedy, with logprobs, on the CPU), by one process or torchrun's `nproc`."""
+    flags = ["--ckpt-dir", str(ckpt), "--json", "--logprobs", "--temperature", "0", "--max-gen-len", str(max_gen_len),
+             "--device", "cpu", *map(str, args)]
+    cmd = [str(BIN / "llama-generate")]
+    if nproc > 1:
+        cmd = TORCHRUN + [f"--nproc_per_node={nproc}", "--no-python"] + cmd
+    result = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+
+
+def chat(ckpt: Path, *args, input: str) -> subprocess.CompletedProcess:
+    """llama-chat, greedy, replies of 8 tokens at the most unless `args` say otherwise; it must succeed."""
+    length = [] if "--max-gen-len" in map(str, args) else ["--max-gen-len", "8"]
+    result = run("llama-chat", "--ckpt-dir", ckpt, "--temperature", "0", *length, *args, input=input)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+
+
+def convert_cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The llama-convert command (or its module, where the console script is not installed)."""
+    script = shutil.which("llama-convert", path=str(BIN))
+    cmd = [script] if script else [sys.executable, "-m", "llama.cli.convert"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(script: Path, nproc: int, *args, env: dict = None) -> subprocess.CompletedProcess:
+    """A Python script under torchrun with `nproc` processes; it must succeed."""
+    cmd = TORCHRUN + [f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """The command failed with one line on stderr, `error: ...`, holding every fragment, and no traceback."""
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+
+
+
+
+# --- a tiny transformers LLaMA, for the converters' tests ------------------------------------------------
+
+# An intermediate size that Meta's multiple_of rule cannot give (so params.json needs hidden_dim), and a
+# rope_theta and epsilon away from the defaults, so that losing any of them changes the logits.
+HF_SHAPE = dict(vocab_size=4000, hidden_size=64, intermediate_size=200, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0, rms_norm_eps=1e-6,
+                max_position_embeddings=128)
+
+
+def tiny_hf_model(tied: bool):
+    """A random transformers LlamaForCausalLM of HF_SHAPE (needs transformers)."""
+    import transformers
+
+    config = transformers.LlamaConfig(**HF_SHAPE, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(SEED_OFFSET)
+    model = transformers.LlamaForCausalLM(config)
+    # A larger init than the default 0.02 makes the logits spread out, so a wrong permutation shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.uniform_(0.5, 1.5)  # not all ones, so swapped norms would show
+    return model.eval()
+
+
+def save_hf(model, path: Path) -> Path:
+    """`model` as a Hugging Face directory (safetensors) with the example tokenizer beside it."""
+    model.save_pretrained(path, safe_serialization=True)
+    shutil.copyfile(EXAMPLE_TOKENIZER, path / "tokenizer.model")
+    return path
