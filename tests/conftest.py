@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ATTENTION_SHAPES, write_tiny
+from helpers import ATTENTION_SHAPES, write_nonstop, write_tiny
 
 torch.set_num_threads(2)
 
@@ -25,3 +25,8 @@ def gqa_ckpt(tmp_path_factory) -> Path:
     path, _ = write_tiny(tmp_path_factory.mktemp("ckpt") / "gqa", "gqa")
     return path
 
+
+@pytest.fixture(scope="session")
+def nonstop_ckpt(tmp_path_factory) -> Path:
+    """A tiny grouped-query checkpoint whose greedy runs never stop early (helpers.write_nonstop)."""
+    return write_nonstop(tmp_path_factory.mktemp("ckpt") / "nonstop")

@@ -18,8 +18,10 @@ from typing import List
 import torch
 
 from llama import Llama
+from llama.checkpoint import params_dict, save_checkpoint
 from llama.model import ModelArgs
-from llama.random_weights import write_random_checkpoint
+from llama.random_weights import random_state_dict, write_random_checkpoint
+from llama.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_TOKENIZER = REPO / "tokenizer.model.example"
@@ -58,6 +60,28 @@ def write_tiny(path: Path, kind: str = "gqa", num_shards: int = 1, seed: int = 0
                                    tokenizer_path=tokenizer, num_shards=num_shards, std=TEST_STD)
 
 
+def write_nonstop(path: Path, seed: int = 0) -> Path:
+    """A tiny grouped-query checkpoint whose greedy decoding never picks a stop token.
+
+    Tests that need a greedy run of an exact length through the commands (which, unlike `Llama.generate`,
+    have no `ignore_stop`) or through Meta's `text_completion` / `chat_completion` use it, so that what
+    they check does not hang on whether a random model happens to rank the end-of-sequence token first.
+
+    The output layer's row for each stop token is zero, so its logit is exactly 0. Rows +0.1 e_k and
+    -0.1 e_k for every dimension k give other tokens the logits +-0.1 h_k; the final norm (weight 1) leaves
+    h with a mean square of 1, so some |h_k| >= 1 and some other token's logit is at least 0.1: a stop
+    token is never the largest. The remaining rows are the random ones.
+    """
+    args = tiny_args("gqa")
+    state = random_state_dict(args, seed=seed + SEED_OFFSET, std=TEST_STD)
+    output = state["output.weight"]  # (vocab_size, dim)
+    stop_ids = Tokenizer(str(EXAMPLE_TOKENIZER)).stop_ids
+    output[stop_ids] = 0
+    axes = torch.cat([torch.eye(args.dim), -torch.eye(args.dim)]) * TEST_STD  # (2 dim, dim)
+    first = 1000  # ordinary pieces of the example vocabulary, none of them a stop token
+    assert not set(stop_ids) & set(range(first, first + 2 * args.dim))
+    output[first:first + 2 * args.dim] = axes
+    return save_checkpoint(path, params_dict(args), state, tokenizer_path=EXAMPLE_TOKENIZER)
 
 
 def build(ckpt: Path, **kwargs) -> Llama:
@@ -94,16 +118,12 @@ def generate_json(ckpt: Path, *args, nproc: int = 1, max_gen_len: int = 12) -> L
     return [json.loads(line) for line in result.stdout.splitlines()]
 
 
-
-
 def chat(ckpt: Path, *args, input: str) -> subprocess.CompletedProcess:
     """llama-chat, greedy, replies of 8 tokens at the most unless `args` say otherwise; it must succeed."""
     length = [] if "--max-gen-len" in map(str, args) else ["--max-gen-len", "8"]
     result = run("llama-chat", "--ckpt-dir", ckpt, "--temperature", "0", *length, *args, input=input)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     return result
-
-
 
 
 def convert_cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -132,8 +152,9 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
         assert fragment in lines[0]
 
 
-
-
+def first_stop(tokens: List[int], stop_ids) -> int:
+    """Where a row's generated tokens end: the index of the first stop token among them, or their length."""
+    return next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
 
 
 # --- a tiny transformers LLaMA, for the converters' tests ------------------------------------------------

@@ -111,11 +111,14 @@ def test_rotary_layout_matters(ours, theirs):
 
 
 def test_greedy_continuation_matches_transformers_with_and_without_cache(ours, theirs):
-    cached, _ = ours.generate([PROMPT_IDS], max_gen_len=GEN_LEN, temperature=0, kv_cache=True)
-    uncached, _ = ours.generate([PROMPT_IDS], max_gen_len=GEN_LEN, temperature=0, kv_cache=False)
+    """Both run GEN_LEN greedy steps whatever they pick, end-of-sequence included (ignore_stop here; no
+    eos_token_id there: transformers' min_new_tokens would forbid eos rather than run on through it)."""
+    cached, _ = ours.generate([PROMPT_IDS], max_gen_len=GEN_LEN, temperature=0, kv_cache=True, ignore_stop=True)
+    uncached, _ = ours.generate([PROMPT_IDS], max_gen_len=GEN_LEN, temperature=0, kv_cache=False, ignore_stop=True)
+    theirs.generation_config.eos_token_id = None
     with torch.no_grad():
         hf = theirs.generate(torch.tensor([PROMPT_IDS]), attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.long),
-                             max_new_tokens=GEN_LEN, min_new_tokens=GEN_LEN, do_sample=False)
+                             max_new_tokens=GEN_LEN, do_sample=False, pad_token_id=0)
     expected = hf[0, len(PROMPT_IDS):].tolist()
     assert len(expected) == GEN_LEN
     assert cached[0] == uncached[0] == expected
@@ -134,7 +137,7 @@ def test_scaled_down_llama2_checkpoint_with_the_real_tokenizer(vocab_dir, tmp_pa
     assert llama.model.params.vocab_size == llama.tokenizer.n_words == 32000
     assert llama.model.output.weight.shape == (32000, 256)
     assert llama.tokenizer.encode(PROMPT, bos=True, eos=False) == PROMPT_IDS
-    cached, _ = llama.generate([PROMPT_IDS], max_gen_len=8, temperature=0, kv_cache=True)
-    uncached, _ = llama.generate([PROMPT_IDS], max_gen_len=8, temperature=0, kv_cache=False)
+    cached, _ = llama.generate([PROMPT_IDS], max_gen_len=8, temperature=0, kv_cache=True, ignore_stop=True)
+    uncached, _ = llama.generate([PROMPT_IDS], max_gen_len=8, temperature=0, kv_cache=False, ignore_stop=True)
     assert len(cached[0]) == 8 and cached == uncached
     assert all(0 <= t < 32000 for t in cached[0])
