@@ -115,7 +115,13 @@ def generate_json(ckpt: Path, *args, nproc: int = 1, max_gen_len: int = 12) -> L
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    return [json.loads(line) for line in result.stdout.splitlines()]
+    return json_lines(result.stdout)
+
+
+def json_lines(stdout: str) -> List[dict]:
+    """One JSON object per line. Split at newlines only: a record holding the model's text may hold other line
+    breaks (U+0085, U+2028), which json.dumps(ensure_ascii=False) leaves as they are and str.splitlines splits at."""
+    return [json.loads(line) for line in stdout.split("\n") if line]
 
 
 def chat(ckpt: Path, *args, input: str) -> subprocess.CompletedProcess:
@@ -124,6 +130,18 @@ def chat(ckpt: Path, *args, input: str) -> subprocess.CompletedProcess:
     result = run("llama-chat", "--ckpt-dir", ckpt, "--temperature", "0", *length, *args, input=input)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     return result
+
+
+def chat_stats(stderr: str) -> List[dict]:
+    """The lines `llama-chat --stats` writes after each reply, one per reply, as numbers."""
+    out = []
+    for line in stderr.splitlines():  # stderr holds only the command's own notes, never the model's text
+        if line.startswith("(prompt "):
+            prompt, rest = line[len("(prompt "):].split(" tokens: ", 1)
+            reused, rest = rest.split(" reused from the cache, ", 1)
+            out.append({"prompt": int(prompt), "reused": int(reused), "prefilled": int(rest.split(" prefilled")[0]),
+                        "line": line})
+    return out
 
 
 def convert_cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:

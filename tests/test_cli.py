@@ -12,7 +12,9 @@ import subprocess
 
 import pytest
 
-from helpers import BIN, EXAMPLE_TOKENIZER, PROMPT, assert_one_line_error, build, generate, run
+from helpers import (
+    BIN, EXAMPLE_TOKENIZER, PROMPT, assert_one_line_error, build, chat, chat_stats, generate, json_lines, run,
+)
 from llama.cli.streaming import TextStream
 from llama.tokenizer import Tokenizer
 
@@ -33,7 +35,7 @@ def test_generate_echo_prints_prompt_then_continuation(nonstop_ckpt):
 def test_no_kv_cache_prints_the_same_text(nonstop_ckpt):
     cached = generate(nonstop_ckpt, "--prompt", PROMPT, "--json", "--logprobs")
     uncached = generate(nonstop_ckpt, "--prompt", PROMPT, "--json", "--logprobs", "--no-kv-cache")
-    a, b = json.loads(cached.stdout), json.loads(uncached.stdout)
+    (a,), (b,) = json_lines(cached.stdout), json_lines(uncached.stdout)
     assert (a["kv_cache"], b["kv_cache"]) == (True, False)
     assert a["text"] == b["text"] and a["tokens"] == b["tokens"] and len(a["tokens"]) == 12
     # Measured: within 2e-6 (float32 rounding of two orders of additions).
@@ -45,7 +47,7 @@ def test_json_gives_one_object_per_prompt(nonstop_ckpt, tmp_path):
     prompts.write_text("Hello\n\nThe answer is\n42\n", encoding="utf-8")
     result = generate(nonstop_ckpt, "--prompts-file", prompts, "--json")
     assert result.returncode == 0, result.stderr
-    records = [json.loads(line) for line in result.stdout.splitlines()]
+    records = json_lines(result.stdout)
     assert [r["prompt"] for r in records] == ["Hello", "The answer is", "42"]  # blank lines skipped
     for r in records:
         assert set(r) == {"prompt", "text", "tokens", "kv_cache", "timings"}
@@ -180,17 +182,38 @@ def test_help_reads_well():
     assert "Optional[Optional]" not in text
 
 
-def test_chat_keeps_history_resets_and_leaves_on_eof(gqa_ckpt):
-    script = "Hello there\nTell me more\n/reset\nHello there\n"
-    args = ["--ckpt-dir", gqa_ckpt, "--temperature", "0", "--max-gen-len", "8"]
-    cached = run("llama-chat", *args, input=script)
-    uncached = run("llama-chat", *args, "--no-kv-cache", input=script)
-    assert cached.returncode == 0, cached.stderr
-    replies = cached.stdout.splitlines()
-    assert len(replies) == 3
-    assert replies[0] == replies[2]  # after /reset the same first message gets the same reply
+def test_chat_keeps_history_resets_and_leaves_on_eof(nonstop_ckpt):
+    """Each reply answers the whole conversation so far: the second message's prompt holds the first exchange
+    (cache on and off), /reset starts over, and the end of input leaves. Replies are counted from the lines
+    --stats writes after each, not by splitting the model's text (which may hold line breaks of its own)."""
+    first, second = "Hello there, I am Ada and I would like to talk about the weather today", "Tell me more"
+    script = f"{first}\n{second}\n/reset\n{first}\n"
+    cached = chat(nonstop_ckpt, "--stats", input=script)
+    uncached = chat(nonstop_ckpt, "--stats", "--no-kv-cache", input=script)
     assert "(history cleared)" in cached.stderr
     assert uncached.stdout == cached.stdout
+    # What a chat of the first message alone, and of the first two, prints: its replies, each with a newline.
+    alone = chat(nonstop_ckpt, input=f"{first}\n").stdout
+    pair = chat(nonstop_ckpt, input=f"{first}\n{second}\n").stdout
+    assert cached.stdout == pair + alone  # after /reset the first message gets the first reply again
+    assert pair.startswith(alone) and alone.endswith("\n")
+
+    tokenizer = Tokenizer(str(nonstop_ckpt / "tokenizer.model"))
+    llama = build(nonstop_ckpt)
+    reply = alone[:-1]
+    with_history = llama.dialog_tokens([{"role": "user", "content": first}, {"role": "assistant", "content": reply},
+                                        {"role": "user", "content": second}])
+    assert len(with_history) > len(llama.dialog_tokens([{"role": "user", "content": second}])) + 20
+    for result, kv_cache in ((cached, True), (uncached, False)):
+        turns = chat_stats(result.stderr)
+        assert len(turns) == 3, result.stderr  # one line per reply
+        # The second prompt is the whole dialog so far; after /reset the first message stands alone again.
+        assert [t["prompt"] for t in turns] == [turns[0]["prompt"], len(with_history), turns[0]["prompt"]]
+        assert turns[0]["prompt"] > len(tokenizer.encode(first, bos=False, eos=False))
+        if kv_cache:  # and the first exchange's keys and values are reused for it
+            assert turns[1]["reused"] >= turns[0]["prompt"] - 2
+        else:
+            assert all(t["reused"] == 0 and t["prefilled"] == t["prompt"] for t in turns)
 
 
 def test_example_scripts_run_with_and_without_cache(gqa_ckpt):
