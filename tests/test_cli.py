@@ -9,12 +9,15 @@ import json
 import os
 import pty
 import subprocess
+import sys
 
 import pytest
 
 from helpers import (
     BIN, EXAMPLE_TOKENIZER, PROMPT, assert_one_line_error, build, chat, chat_stats, generate, json_lines, run,
 )
+from llama import Llama
+from llama.cli import generate as generate_command
 from llama.cli.streaming import TextStream
 from llama.tokenizer import Tokenizer
 
@@ -76,8 +79,44 @@ def test_streaming_prints_exactly_the_final_text(nonstop_ckpt):
         assert len(final.stdout) > len(PROMPT if extra else "") + 1  # 12 tokens of text, not an empty line
 
 
+class _Terminal(io.StringIO):
+    """A stdout that says it is a terminal and logs each write."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.log.append(text)
+        return super().write(text)
+
+
+def test_on_a_terminal_text_is_written_while_it_is_generated(nonstop_ckpt, monkeypatch):
+    """A single prompt printed to a terminal streams by default: text is written piece by piece while the
+    model generates it, not all at once when it has finished, and adds up to the piped text."""
+    log = []
+    original = Llama.generate
+
+    def generate_and_note_the_end(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        log.append(None)  # generation has finished
+        return out
+
+    monkeypatch.setattr(Llama, "generate", generate_and_note_the_end)
+    monkeypatch.setattr(sys, "stdout", _Terminal(log))
+    generate_command.main(prompt=PROMPT, ckpt_dir=str(nonstop_ckpt), temperature=0, max_gen_len=12)
+    end = log.index(None)
+    during = [piece for piece in log[:end] if piece]
+    assert len(during) > 1, log  # in pieces, before generation ended
+    assert "".join(p for p in log if p is not None) == generate(nonstop_ckpt, "--prompt", PROMPT).stdout
+
+
 def test_a_single_prompt_streams_on_a_terminal(nonstop_ckpt):
-    """Under a pseudo-terminal, output arrives in pieces and adds up to the piped (non-streamed) text."""
+    """Under a real pseudo-terminal, what arrives adds up to the piped (non-streamed) text. (That it is
+    written while it is generated is the test above: how the reads here split the text is up to timing.)"""
     master, slave = pty.openpty()
     proc = subprocess.Popen([str(BIN / "llama-generate"), "--ckpt-dir", str(nonstop_ckpt), "--prompt", PROMPT,
                              "--temperature", "0", "--max-gen-len", "12"], stdout=slave, stderr=subprocess.PIPE)
