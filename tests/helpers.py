@@ -175,6 +175,28 @@ def first_stop(tokens: List[int], stop_ids) -> int:
     return next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
 
 
+# --- quantized weights, read without the library ---------------------------------------------------------
+
+
+def dequantize_stored(state: dict, prefix: str) -> torch.Tensor:
+    """The float32 (out, in) weight that the quantized tensors `{prefix}weight`, `scales` (and `mins`) of a state
+    dict stand for, worked out here from the on-disk format (llama/quant_format.py) rather than by the library,
+    so that a test comparing a layer with it compares two independent computations.
+
+    int8: value x scale of its group. int4: two values a byte, column 2j in the low nibble and 2j + 1 in the
+    high one, each value x scale + min of its group.
+    """
+    weight, scales = state[prefix + "weight"], state[prefix + "scales"].double()
+    if weight.dtype == torch.int8:
+        values, offsets = weight.double(), torch.zeros_like(scales)
+    else:
+        assert weight.dtype == torch.uint8
+        values = torch.stack([weight & 0x0F, weight >> 4], dim=-1).reshape(weight.shape[0], -1).double()
+        offsets = state[prefix + "mins"].double()
+    group = values.shape[1] // scales.shape[1]
+    return (values * scales.repeat_interleave(group, dim=1) + offsets.repeat_interleave(group, dim=1)).float()
+
+
 # --- a tiny transformers LLaMA, for the converters' tests ------------------------------------------------
 
 # An intermediate size that Meta's multiple_of rule cannot give (so params.json needs hidden_dim), and a
