@@ -61,25 +61,27 @@ def write_tiny(path: Path, kind: str = "gqa", num_shards: int = 1, seed: int = 0
 
 
 def write_nonstop(path: Path, seed: int = 0) -> Path:
-    """A tiny grouped-query checkpoint whose greedy decoding never picks a stop token.
+    """A tiny grouped-query checkpoint whose greedy decoding never picks a stop token, nor another control
+    token (which would print nothing).
 
     Tests that need a greedy run of an exact length through the commands (which, unlike `Llama.generate`,
     have no `ignore_stop`) or through Meta's `text_completion` / `chat_completion` use it, so that what
     they check does not hang on whether a random model happens to rank the end-of-sequence token first.
 
-    The output layer's row for each stop token is zero, so its logit is exactly 0. Rows +0.1 e_k and
-    -0.1 e_k for every dimension k give other tokens the logits +-0.1 h_k; the final norm (weight 1) leaves
-    h with a mean square of 1, so some |h_k| >= 1 and some other token's logit is at least 0.1: a stop
-    token is never the largest. The remaining rows are the random ones.
+    The output layer's rows for the control tokens (<unk>, <s>, </s>) are zero, so their logits are exactly
+    0. Rows +0.1 e_k and -0.1 e_k for every dimension k give other tokens the logits +-0.1 h_k; the final norm
+    (weight 1) leaves h with a mean square of 1, so some |h_k| >= 1 and some other token's logit is at least
+    0.1: a control token is never the largest. The remaining rows are the random ones.
     """
     args = tiny_args("gqa")
     state = random_state_dict(args, seed=seed + SEED_OFFSET, std=TEST_STD)
     output = state["output.weight"]  # (vocab_size, dim)
-    stop_ids = Tokenizer(str(EXAMPLE_TOKENIZER)).stop_ids
-    output[stop_ids] = 0
+    tokenizer = Tokenizer(str(EXAMPLE_TOKENIZER))
+    silent = sorted({tokenizer.sp_model.unk_id(), tokenizer.bos_id, *tokenizer.stop_ids})
+    output[silent] = 0
     axes = torch.cat([torch.eye(args.dim), -torch.eye(args.dim)]) * TEST_STD  # (2 dim, dim)
-    first = 1000  # ordinary pieces of the example vocabulary, none of them a stop token
-    assert not set(stop_ids) & set(range(first, first + 2 * args.dim))
+    first = 1000  # ordinary pieces of the example vocabulary
+    assert not set(silent) & set(range(first, first + 2 * args.dim))
     output[first:first + 2 * args.dim] = axes
     return save_checkpoint(path, params_dict(args), state, tokenizer_path=EXAMPLE_TOKENIZER)
 

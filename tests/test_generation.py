@@ -34,14 +34,15 @@ def test_text_completion_returns_metas_prediction_dicts(nonstop_ckpt):
 
 def test_the_nonstop_checkpoint_never_ranks_a_stop_token_first(nonstop_ckpt):
     """What the tests that need greedy runs of an exact length rely on (helpers.write_nonstop): at every position
-    of any input, a stop token's logit is 0 and some other token's is at least 0.1."""
+    of any input, a stop token's logit (and <unk>'s and <s>'s) is 0 and some other token's is at least 0.1."""
     llama = build(nonstop_ckpt)
     tokens = torch.randint(0, llama.model.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = llama.model(tokens).clone()
-        stops = llama.tokenizer.stop_ids
-        assert (logits[..., stops] == 0).all()
-        logits[..., stops] = float("-inf")
+        silent = [0, llama.tokenizer.bos_id] + llama.tokenizer.stop_ids  # <unk> is 0 in the example vocabulary
+        assert llama.tokenizer.eos_id in silent
+        assert (logits[..., silent] == 0).all()
+        logits[..., silent] = float("-inf")
         assert (logits.amax(-1) >= 0.099).all()  # 0.1, less float32 rounding
 
 
