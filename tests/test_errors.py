@@ -111,12 +111,20 @@ def test_ctrl_c_exits_130_keeping_what_was_printed(nonstop_ckpt):
     """Interrupted while it streams, the command exits 130 and what it printed stays printed. Greedy on a
     checkpoint that never stops early, with 100,000 tokens to go (without a cache, ever slower), the run is
     still generating when the signal comes, however fast or slow the machine is."""
+    # A shell starts background jobs with SIGINT ignored, and Python then leaves it ignored: give the command
+    # the default disposition, as a terminal's foreground process has, whatever started these tests.
     proc = subprocess.Popen([str(BIN / "llama-generate"), "--ckpt-dir", str(nonstop_ckpt), "--prompt", "Hello",
                              "--stream", "--temperature", "0", "--max-gen-len", "100000", "--max-seq-len", "100000",
-                             "--no-kv-cache"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    first = proc.stdout.read(1)  # generation has started
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+                             "--no-kv-cache"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        first = proc.stdout.read(1)  # generation has started
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # never leave a 100,000-token run behind
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, err
     assert first
     assert "Traceback" not in err and "interrupted" in err
