@@ -130,6 +130,7 @@ def test_ctrl_c_exits_130_keeping_what_was_printed(nonstop_ckpt):
     assert "Traceback" not in err and "interrupted" in err
 
 
+@pytest.mark.slow  # 340 generations: a measurement, not a quick check
 def test_memory_does_not_grow_over_many_generate_calls(gqa_ckpt):
     llama = build(gqa_ckpt)
     prompts = [[1, 306, 465], [1, 150, 318, 338]]

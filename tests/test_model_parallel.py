@@ -8,6 +8,8 @@ import pytest
 
 from helpers import BIN, TORCHRUN, generate_json, write_tiny
 
+pytestmark = pytest.mark.slow  # every test starts torchrun
+
 PROMPTS = ["I believe the meaning of life is", "Hello", "def fibonacci(n):"]
 
 
