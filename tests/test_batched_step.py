@@ -8,7 +8,7 @@ the plain path (`forward(tokens, start_pos, cache)`, and the uncached pass) with
 import pytest
 import torch
 
-from conftest import build
+from helpers import build
 from llama.kv_cache import KVCache, PagedKVCache
 from llama.model import rope_cis, rope_cis_at
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from conftest import build
+from helpers import build
 from llama.generation import Llama
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs
 from llama.server.runner import Runner

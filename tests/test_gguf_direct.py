@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from helpers import PROMPT, REPO, assert_one_line_error, run, save_hf, tiny_hf_model, write_gguf
 from gguf_writer import write_llama_gguf
 from llama import Llama
 from llama.checkpoint import load_shard
@@ -21,10 +21,8 @@ from llama.convert import cache
 from llama.convert.cache import MANIFEST, entry_damage, resolve_checkpoint, sample_digest
 from llama.errors import LlamaError
 from llama.paths import home_dir
-from test_cli import PROMPT, assert_one_line_error, run
 
 pytest.importorskip("transformers")
-from test_convert import save_hf, tiny_hf_model, write_gguf  # noqa: E402  (needs transformers)
 
 # Read before any test points LLAMA_HOME elsewhere: where the real default model's GGUF lives.
 REAL_HOME = home_dir()

@@ -19,7 +19,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from conftest import REPO, build, write_tiny  # noqa: E402
+from helpers import REPO, build, write_tiny  # noqa: E402
 from llama.server.engine import Engine, Job  # noqa: E402
 from llama.server.http import ServerState, create_app  # noqa: E402
 from llama.server.runner import Runner  # noqa: E402
