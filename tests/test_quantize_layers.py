@@ -98,6 +98,9 @@ def test_a_compiled_layer_multiplies_by_its_stored_values(gqa_ckpt, method):
     for name in ("layers.0.feed_forward.w1", "layers.1.feed_forward.w2", "output"):
         layer = model.get_submodule(name)
         weight = stored_weight(layer)
+        # Afresh for each layer: dynamo compiles one function (here every layer's forward) at most 8 times in a
+        # process, and fullgraph=True makes the 9th an error rather than an eager fallback.
+        torch._dynamo.reset()
         compiled = torch.compile(layer, fullgraph=True)
         for rows in ROWS:
             x = torch.randn(1, rows, layer.in_features, generator=torch.Generator().manual_seed(rows))
@@ -191,4 +194,5 @@ def test_a_compiled_int4_layer_in_another_layout_widens_its_weight(models):
     layer = copy.deepcopy(models["int4", "float32"].layers[0].feed_forward.w1)
     assert type(layer) is Int4Linear
     x = torch.randn(1, 1, layer.in_features, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()  # as above: not the 9th compilation of the layers' forward in this process
     assert_multiplies_by(torch.compile(layer, fullgraph=True), stored_weight(layer), x, 1e-5)
