@@ -11,7 +11,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from llama.cli.common import fail, run
 from llama.cli.loading import build_from_flags
