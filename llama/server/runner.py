@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llama.compile import _quiet_inductor as quiet_inductor  # the same notes llama/compile.py holds back
@@ -60,9 +61,13 @@ class Result:
 class Runner:
     """Batched forward steps of one model over a paged KV cache.
 
+    The runner takes the model over: with `compile` its layers become the compiled step's classes, and
+    eagerly its output matrix gains a row-major copy for many rows (`_ManyRowsOutput`).
+
     Args:
         model: the model, built and loaded.
         num_blocks, block_size: the KV cache's blocks; num_blocks 0 runs without a cache.
+        compile: compile the decode step (llama-server --compile).
     """
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, compile: bool = False):
@@ -70,6 +75,8 @@ class Runner:
         self.device = model.device
         self.cache = model.new_paged_kv_cache(num_blocks, block_size) if num_blocks > 0 else None
         self.compiled = _compile(model, self.cache) if compile and self.cache is not None else None
+        if self.compiled is None and _ManyRowsOutput.suits(model.output):
+            model.output = _ManyRowsOutput(model.output)
 
     @torch.inference_mode()
     def step(self, copies: Sequence[Tuple[int, int, int]], rows: Sequence[Row]) -> List[Result]:
@@ -135,6 +142,34 @@ class Runner:
             result.logprob = float(logprobs[0, result.token])
             result.top = _top(logprobs, sampler.top_logprobs)[0] if sampler.top_logprobs else []
         return result
+
+
+class _ManyRowsOutput(nn.Module):
+    """The output matrix laid out twice: as loaded for one row, and row-major for the server's many rows.
+
+    The model stores its wide matrices input-major, where MKL's one-row product is twice as fast; for 2-16
+    rows MKL's `F.linear` on that layout is several times slower than `torch.mm(W, x.T)` on a row-major copy
+    (8 rows of the default model's 49152 x 576 output: 46-50 ms against 20; a whole 8-row decode step 298 ->
+    237 ms, docs/benchmarks.md). The output matrix is the one where this shows, and it costs one more copy of
+    it (113 MB for the default model). Same weights, same state_dict; logits within float rounding.
+    """
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.weight = layer.weight
+        self.register_buffer("row_major", layer.weight.detach().contiguous(), persistent=False)
+
+    @staticmethod
+    def suits(layer: nn.Module) -> bool:
+        """A float32 nn.Linear on the CPU, stored input-major (the eager one-row layout)."""
+        return (type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+                and not layer.weight.is_contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # (rows, dim)
+        if rows.shape[0] == 1:
+            return F.linear(x, self.weight)
+        return torch.mm(self.row_major, rows.t()).t().reshape(*x.shape[:-1], -1)  # (..., vocab)
 
 
 # Batch sizes at which the compiled step is built before serving: one graph each for 1 row, 2-4 rows and 5 or
