@@ -8,6 +8,7 @@ not depend on what else runs; log-probabilities agree within 1e-5.
 import threading
 
 import pytest
+import torch
 
 from helpers import build
 from llama.generation import Llama
@@ -187,9 +188,12 @@ def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt):
     engine = Engine(llama.tokenizer, scheduler, Runner(llama.model, 64, 4, compile=True))
     engine.start()
     ps = prompts(llama)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     collectors = run_jobs(engine, [Job(p, 12, None, temperature=0) for p in ps])
     for p, c in zip(ps, collectors):
         assert c.texts() == [llama.tokenizer.decode(solo(llama, p, 12)[0])]
+    # Compiled before serving: no batch size or cache length met while serving compiled anything again.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     engine.drain(5)
 
 

@@ -358,7 +358,7 @@ def test_a_full_queue_answers_503(llama):
     with TestClient(create_app(state)) as client:
         r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
-        assert "1 requests are already waiting" in r.json()["error"]["message"]
+        assert "queue of 1 waiting requests is full" in r.json()["error"]["message"]
         engine.stop_accepting(0)
         r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]

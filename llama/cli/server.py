@@ -11,7 +11,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from llama.cli.common import fail, run
 from llama.cli.loading import build_from_flags
@@ -168,8 +168,8 @@ def _load(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_
         line = (f"--parallel {parallel}, KV cache {num_blocks * block_size:,} tokens in {num_blocks:,} blocks of "
                 f"{block_size}, {nbytes / 2**20:,.1f} MiB")
     if compile and not no_kv_cache:
-        print("compiling the batched decode step (--compile): a minute or two the first time, less once Inductor "
-              "has it cached on disk", file=sys.stderr, flush=True)
+        print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first time "
+              "(ten on a busy 2-core machine), less once Inductor has it cached on disk", file=sys.stderr, flush=True)
         line += "; decode step compiled"
     scheduler = Scheduler(max(num_blocks, 1), block_size, parallel, prefill_chunk, kv_cache=not no_kv_cache)
     runner = Runner(model, num_blocks, block_size, compile=compile and not no_kv_cache)

@@ -18,7 +18,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
 import torch
 
 from llama.server.runner import Result, Row, Runner, Sampler
-from llama.server.scheduler import FINISHED, Scheduler, Sequence
+from llama.server.scheduler import Scheduler, Sequence
 from llama.server.text import TextState
 
 
@@ -150,7 +150,8 @@ class Engine:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
             if self.waiting_jobs() >= self.max_waiting:
-                raise Unavailable(f"the server is busy: {self.max_waiting} requests are already waiting; try again later")
+                raise Unavailable(f"the server is busy: its queue of {self.max_waiting} waiting requests is full; "
+                                  "try again later")
             self._inbox.append(("submit", job))
             self._wake.notify()
 
@@ -161,7 +162,9 @@ class Engine:
             self._wake.notify()
 
     def waiting_jobs(self) -> int:
-        waiting = {id(self._choices[s].job) for s in list(self.scheduler.waiting) if s in self._choices}
+        """Jobs queued and not yet running (callable from any thread)."""
+        choices = [self._choices.get(s) for s in list(self.scheduler.waiting)]
+        waiting = {id(c.job) for c in choices if c is not None}
         return len(waiting) + sum(1 for kind, _ in list(self._inbox) if kind == "submit")
 
     def stop_accepting(self, grace: float) -> None:

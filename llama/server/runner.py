@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llama.compile import _quiet_inductor as quiet_inductor  # the same notes llama/compile.py holds back
 from llama.errors import LlamaError
 from llama.generation import sample
 from llama.linears import choose_layer_classes
+from llama.kv_cache import PagedKVCache
 from llama.model import Transformer
 
 
@@ -59,9 +61,13 @@ class Result:
 class Runner:
     """Batched forward steps of one model over a paged KV cache.
 
+    The runner takes the model over: with `compile` its layers become the compiled step's classes, and
+    eagerly its output matrix gains a row-major copy for many rows (`_ManyRowsOutput`).
+
     Args:
         model: the model, built and loaded.
         num_blocks, block_size: the KV cache's blocks; num_blocks 0 runs without a cache.
+        compile: compile the decode step (llama-server --compile).
     """
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, compile: bool = False):
@@ -69,6 +75,8 @@ class Runner:
         self.device = model.device
         self.cache = model.new_paged_kv_cache(num_blocks, block_size) if num_blocks > 0 else None
         self.compiled = _compile(model, self.cache) if compile and self.cache is not None else None
+        if self.compiled is None and _ManyRowsOutput.suits(model.output):
+            model.output = _ManyRowsOutput(model.output)
 
     @torch.inference_mode()
     def step(self, copies: Sequence[Tuple[int, int, int]], rows: Sequence[Row]) -> List[Result]:
@@ -102,14 +110,15 @@ class Runner:
         all_logits = any(row.all_logits for row in rows)
         # Prompt chunks run eagerly, as llama/compile.py runs prompts: their lengths vary too much to compile.
         compiled = self.compiled is not None and n == 1 and not all_logits
-        forward = self.compiled if compiled else self.model
         # A compiled step would specialise on a table one block wide: pad to two (the padding is masked).
         width = max([len(row.blocks) for row in rows] + [2 if compiled else 1])
         tables = torch.tensor([row.blocks + [row.blocks[0]] * (width - len(row.blocks)) for row in rows], device=self.device)
         tokens = torch.tensor([row.tokens for row in rows], device=self.device)
         input_pos = torch.tensor([[row.start + k for k in range(n)] for row in rows], device=self.device)
+        if compiled:
+            return self.compiled(tokens, input_pos, tables)
         caches = self.cache.for_step(tables, input_pos)
-        return forward(tokens, cache=caches, input_pos=input_pos, num_logits=None if all_logits else 1)
+        return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=None if all_logits else 1)
 
     def _finish(self, row: Row, logits: torch.Tensor) -> Result:
         """Sample from a row's last logits, and the log-probabilities asked for. `logits`: (positions, vocab)."""
@@ -135,12 +144,47 @@ class Runner:
         return result
 
 
-def _compile(model: Transformer, cache) -> Callable:
+class _ManyRowsOutput(nn.Module):
+    """The output matrix laid out twice: as loaded for one row, and row-major for the server's many rows.
+
+    The model stores its wide matrices input-major, where MKL's one-row product is twice as fast; for 2-16
+    rows MKL's `F.linear` on that layout is several times slower than `torch.mm(W, x.T)` on a row-major copy
+    (8 rows of the default model's 49152 x 576 output: 46-50 ms against 20; a whole 8-row decode step 298 ->
+    237 ms, docs/benchmarks.md). The output matrix is the one where this shows, and it costs one more copy of
+    it (113 MB for the default model). Same weights, same state_dict; logits within float rounding.
+    """
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.weight = layer.weight
+        self.register_buffer("row_major", layer.weight.detach().contiguous(), persistent=False)
+
+    @staticmethod
+    def suits(layer: nn.Module) -> bool:
+        """A float32 nn.Linear on the CPU, stored input-major (the eager one-row layout)."""
+        return (type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+                and not layer.weight.is_contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # (rows, dim)
+        if rows.shape[0] == 1:
+            return F.linear(x, self.weight)
+        return torch.mm(self.row_major, rows.t()).t().reshape(*x.shape[:-1], -1)  # (..., vocab)
+
+
+# Batch sizes at which the compiled step is built before serving: one graph each for 1 row, 2-4 rows and 5 or
+# more (the compiled linear layers compute up to 4 rows as reductions, more with a matrix product), each with a
+# block-table width unlike its batch size (two dimensions first seen at one size would share one symbol, and
+# the first step where they differ would compile again: minutes on a CPU).
+_WARM_UP = ((1, 3), (2, 3), (5, 4))
+
+
+def _compile(model: Transformer, cache: PagedKVCache) -> Callable:
     """The decode step (one token per row, rows at their own positions) through torch.compile, compiled now.
 
-    Batch size and the number of blocks read are symbolic, so one compilation serves every step (batch 1
-    is specialised and compiled too). The layers become the compiled path's classes and float weights are
-    laid out row-major, as `Llama.build(compile=True)` does for its own step.
+    A function of plain tensors (tokens, positions, block tables), so that batch size and table width are
+    symbolic and no step met while serving compiles anything again (tested). The layers become the compiled
+    path's classes and float weights are laid out row-major, as `Llama.build(compile=True)` does for its step.
 
     Raises:
         LlamaError: torch.compile could not build the step (on the CPU it needs a C++ compiler).
@@ -149,14 +193,17 @@ def _compile(model: Transformer, cache) -> Callable:
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
             module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
     choose_layer_classes(model, compiled=True)
-    compiled = torch.compile(model, dynamic=True, fullgraph=True)
+
+    def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        return model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
+
+    compiled = torch.compile(decode, dynamic=True, fullgraph=True)
     quiet_inductor()
     try:
         with torch.inference_mode():
-            for bsz in (2, 1):  # block 0's first position is scratch until a sequence takes the block
-                pos = torch.zeros((bsz, 1), dtype=torch.long, device=model.device)
-                tables = torch.zeros((bsz, 2), dtype=torch.long, device=model.device)
-                compiled(pos, cache=cache.for_step(tables, pos), input_pos=pos, num_logits=1)
+            for bsz, width in _WARM_UP:  # block 0's first position is scratch until a sequence takes the block
+                zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=model.device)  # noqa: E731
+                compiled(zeros(bsz, 1), zeros(bsz, 1), zeros(bsz, width))  # three tensors: one would be guarded on
     except Exception as e:  # Inductor fails in many ways (no compiler, a bad toolchain)
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LlamaError(f"compile=True failed: torch.compile could not build the server's step ({reason}); "
