@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.compile import _quiet_inductor as quiet_inductor  # the same notes llama/compile.py holds back
+from llama.compile import RECOMPILE_LIMIT, quiet_inductor
 from llama.errors import LlamaError
 from llama.generation import sample
 from llama.linears import choose_layer_classes
@@ -197,7 +197,12 @@ def _compile(model: Transformer, cache: PagedKVCache) -> Callable:
     def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         return model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
 
-    compiled = torch.compile(decode, dynamic=True, fullgraph=True)
+    dynamo_compiled = torch.compile(decode, dynamic=True, fullgraph=True)
+
+    def compiled(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # one limit for the whole process
+            return dynamo_compiled(tokens, input_pos, tables)
+
     quiet_inductor()
     try:
         with torch.inference_mode():
