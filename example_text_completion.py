@@ -1,13 +1,14 @@
 """Continue a few text prompts, as Meta's example does, with a KV-cache switch.
 
-    python example_text_completion.py [--ckpt_dir DIR] [--no-kv-cache]
+    python example_text_completion.py [--ckpt_dir DIR | -m FILE.gguf] [--no-kv-cache]
     torchrun --nproc_per_node 2 example_text_completion.py --ckpt_dir DIR   # model parallel
 
-Without --ckpt_dir it uses the default model (fetched on first use).
+Without --ckpt_dir (or -m) it uses the default model (fetched on first use); a .gguf file or a Hugging Face
+folder is converted once into $LLAMA_HOME/converted.
 """
 
 from llama.cli.common import run
-from llama.cli.loading import build_from_flags, is_main_rank
+from llama.cli.loading import build_from_flags, is_main_rank, model_flag
 
 PROMPTS = [
     "I believe the meaning of life is",
@@ -27,11 +28,14 @@ def main(
     max_batch_size: int = 4,
     no_kv_cache: bool = False,
     quantize: str = None,
+    model: str = None,
 ):
     """Continue four example prompts and print each continuation.
 
     Args:
-        ckpt_dir: checkpoint directory in Meta's layout; default: the default model.
+        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
+            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
+            default model, fetched on first use.
         tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
         temperature: sampling temperature; 0 is greedy.
         top_p: nucleus-sampling threshold.
@@ -40,7 +44,9 @@ def main(
         max_batch_size: the most prompts in one batch.
         no_kv_cache: feed the whole prefix every step instead of caching keys and values.
         quantize: int8 or int4: hold the linear layers' weights quantized (see llama-generate --help).
+        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
+    ckpt_dir = model_flag(ckpt_dir, model)
     generator = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=1, device=None, dtype=None,
                                  quantize=quantize)
     results = generator.text_completion(PROMPTS, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,

@@ -32,11 +32,13 @@ _DYNAMIC_SOURCES = ",".join([
 
 # Compilations Dynamo keeps for the model's forward, across every compiled model in the process. Each kind of
 # step (with or without the cache, a batch size, float or quantized layers) is one; the default of 8 is
-# reached by a process that compiles a float, an int8 and an int4 model, as a benchmark comparing them does.
-_RECOMPILE_LIMIT = 64
+# reached by a process that compiles a float, an int8 and an int4 model, as a benchmark comparing them does,
+# or that builds a compiled model and then serves it (llama/server/runner.py). With fullgraph=True, passing the
+# limit is an error, not a slower eager step.
+RECOMPILE_LIMIT = 64
 
 
-def _quiet_inductor() -> None:
+def quiet_inductor() -> None:
     """Hold back Inductor's messages about its own choices, for the rest of the process: the rotary
     embedding's complex product, and with the C++ wrapper some view ops, go through slower generic calls.
     That is its business, not the user's, and it would print them at every compilation."""
@@ -59,7 +61,7 @@ def compile_step(model: Transformer) -> Step:
     """
     choose_layer_classes(model, compiled=True)
     compiled = torch.compile(model, fullgraph=True)
-    _quiet_inductor()
+    quiet_inductor()
     # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
     # where the step is shortest, for a longer first compilation (scripts/compare_compiled.py; figures in
     # docs/benchmarks.md). LLAMA_COMPILE_CPP_WRAPPER=0 turns it off, to measure the difference or to work
@@ -69,7 +71,7 @@ def compile_step(model: Transformer) -> Step:
 
     def step(tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]], num_logits: Optional[int] = None):
         with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES), \
-                torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), \
+                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
             return compiled(tokens, start_pos, cache, num_logits=num_logits)
 

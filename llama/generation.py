@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
 from llama.compile import Step, compile_step
+from llama.convert.cache import resolve_checkpoint
 from llama.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.distributed import init_distributed
 from llama.errors import LlamaError
@@ -149,7 +150,8 @@ class Llama:
         """Load a checkpoint in Meta's layout.
 
         Args:
-            ckpt_dir: directory with params.json and consolidated.NN.pth.
+            ckpt_dir: directory with params.json and consolidated.NN.pth, or a .gguf file or Hugging Face
+                LLaMA folder, converted on first use into $LLAMA_HOME/converted (llama/convert/cache.py).
             tokenizer_path: the tokenizer file; None looks inside ckpt_dir (and one level up, where Meta's
                 downloads put it).
             max_seq_len: the longest prompt plus generation a run may use.
@@ -184,6 +186,7 @@ class Llama:
         Raises:
             LlamaError: a file is missing or malformed, or the weights do not match params.json.
         """
+        ckpt_dir = resolve_checkpoint(ckpt_dir, progress)
         device = local_device(resolve_device(device))
         quant_kernels = check_quant_kernels(quant_kernels)
         block_scales = device.type == "cpu" and quant_kernels == "integer"  # what the memory check counts

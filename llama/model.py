@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.kv_cache import KVCache
+from llama.kv_cache import KVCache, PagedKVCache
 
 
 @dataclass
@@ -79,15 +79,39 @@ def rope_cis(head_dim: int, theta: float, start_pos: int, seqlen: int, device: t
     return torch.polar(torch.ones_like(angles), angles)
 
 
+def rope_cis_at(head_dim: int, theta: float, positions: torch.Tensor) -> torch.Tensor:
+    """e^(i * position * frequency) for each of `positions` (bsz, seqlen): (bsz, seqlen, head_dim // 2) complex64.
+
+    The same numbers `rope_cis` gives for the same positions (tested bit for bit), for rows that each sit at
+    their own positions; no Python number decides the shapes, so an exported step can take it as it is.
+    """
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device)[: head_dim // 2].float() / head_dim))
+    angles = positions.float()[..., None] * freqs  # (bsz, seqlen, head_dim // 2): what torch.outer multiplies
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def positions_mask(input_pos: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """(bsz, seqlen, kv_len) additive mask: the token at position p sees key columns 0 .. p and nothing after.
+
+    For caches whose key column j holds position j of the row (`KVCache.update_at`): columns past a row's
+    position hold the future, another sequence's leftovers or nothing, and are hidden alike.
+    """
+    cols = torch.arange(kv_len, device=input_pos.device)
+    hidden = cols[None, None, :] > input_pos[:, :, None]  # (bsz, seqlen, kv_len)
+    return torch.zeros(hidden.shape, dtype=dtype, device=input_pos.device).masked_fill(hidden, float("-inf"))
+
+
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate each adjacent pair (x[2i], x[2i+1]) of every head, read as one complex number: Meta's layout.
 
     Args:
         x: (bsz, seqlen, n_heads, head_dim).
-        freqs_cis: (seqlen, head_dim // 2) complex rotations.
+        freqs_cis: (seqlen, head_dim // 2) complex rotations shared by every row, or (bsz, seqlen, head_dim // 2)
+            for rows at positions of their own.
     """
     x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (bsz, seqlen, n_heads, head_dim // 2)
-    rotated = torch.view_as_real(x_complex * freqs_cis[None, :, None, :])  # (bsz, seqlen, n_heads, head_dim // 2, 2)
+    freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
+    rotated = torch.view_as_real(x_complex * freqs)  # (bsz, seqlen, n_heads, head_dim // 2, 2)
     return rotated.flatten(-2).type_as(x)
 
 
@@ -119,6 +143,7 @@ class Attention(nn.Module):
         freqs_cis: torch.Tensor,
         mask: Optional[torch.Tensor],
         cache: Optional[KVCache],
+        input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         n_rep = self.n_heads // self.n_kv_heads
@@ -130,8 +155,10 @@ class Attention(nn.Module):
 
         keys = xk.transpose(1, 2)  # (bsz, n_kv_heads, seqlen, head_dim)
         values = xv.transpose(1, 2)
-        if cache is not None:
+        if cache is not None and input_pos is None:
             keys, values = cache.update(start_pos, keys, values)  # (bsz, n_kv_heads, start_pos + seqlen, head_dim)
+        elif cache is not None:
+            keys, values = cache.update_at(input_pos, keys, values)  # (bsz, n_kv_heads, kv_len, head_dim)
         kv_len = keys.shape[2]
 
         # Grouped-query attention without repeating keys and values: query head h reads KV head
@@ -139,11 +166,14 @@ class Attention(nn.Module):
         # attention over that group's KV head.
         xq = xq.view(bsz, seqlen, self.n_kv_heads, n_rep, self.head_dim)
         xq = xq.permute(0, 2, 3, 1, 4).reshape(bsz, self.n_kv_heads, n_rep * seqlen, self.head_dim)
-        if mask is not None:
+        if mask is not None and mask.dim() == 2:
             # A mask that broadcasts but does not cover exactly the keys fed would not fail; it would
             # silently let tokens see the future or hide the past.
             assert mask.shape == (seqlen, kv_len), f"mask {tuple(mask.shape)} for {seqlen} queries, {kv_len} keys"
             mask = mask.repeat(n_rep, 1)  # (n_rep * seqlen, kv_len), matching the folded queries
+        elif mask is not None:  # one mask per row
+            assert mask.shape == (bsz, seqlen, kv_len), f"mask {tuple(mask.shape)} for {bsz} x {seqlen} queries, {kv_len} keys"
+            mask = mask.repeat(1, n_rep, 1).unsqueeze(1)  # (bsz, 1, n_rep * seqlen, kv_len)
         out = self.attend(xq, keys, values, mask)
         # (bsz, n_kv_heads, n_rep * seqlen, head_dim) -> (bsz, seqlen, n_heads * head_dim)
         out = out.view(bsz, self.n_kv_heads, n_rep, seqlen, self.head_dim).permute(0, 3, 1, 2, 4)
@@ -170,8 +200,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, start_pos, freqs_cis, mask, cache):
-        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask, cache)
+    def forward(self, x, start_pos, freqs_cis, mask, cache, input_pos=None):
+        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask, cache, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -232,12 +262,21 @@ class Transformer(nn.Module):
             for layer in self.layers
         ]
 
+    def new_paged_kv_cache(self, num_blocks: int, block_size: int, dtype: Optional[torch.dtype] = None) -> PagedKVCache:
+        """An empty pool of `num_blocks` blocks of `block_size` positions for every layer, shared by many rows.
+
+        Sized from the layers themselves, as `new_kv_cache` is; it holds `kv_cache_nbytes(1, num_blocks * block_size)` bytes.
+        """
+        shapes = [(layer.attention.n_kv_heads, layer.attention.head_dim) for layer in self.layers]
+        return PagedKVCache(shapes, num_blocks, block_size, dtype or self.dtype, self.device)
+
     def forward(
         self,
         tokens: torch.Tensor,
         start_pos: int = 0,
         cache: Optional[List[KVCache]] = None,
         num_logits: Optional[int] = None,
+        input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits for the tokens fed.
 
@@ -248,10 +287,16 @@ class Transformer(nn.Module):
             cache: per-layer KV caches holding positions 0 .. start_pos - 1, updated in place; None to
                 run without one.
             num_logits: compute logits for only the last this many positions (all when None).
+            input_pos: (bsz, seqlen) position of every token, when each row sits at positions of its own
+                (a server's batch of sequences); start_pos is then unused. Each row's keys and values are
+                written at its positions and a token sees its row's positions up to its own; the cache must
+                be given and take positions (`update_at`: `KVCache`, or `PagedKVCache.for_step`'s layers).
 
         Returns:
             (bsz, num_logits or seqlen, vocab_size) float32 logits.
         """
+        if input_pos is not None:
+            return self._forward_at(tokens, input_pos, cache, num_logits)
         if cache is None and start_pos != 0:
             raise ValueError(f"without a KV cache the whole prefix must be fed from position 0, not {start_pos}; "
                              "to feed tokens at a later position, pass the cache that holds the earlier ones "
@@ -271,6 +316,23 @@ class Transformer(nn.Module):
 
         for i, layer in enumerate(self.layers):
             h = layer(h, start_pos, freqs_cis, mask, None if cache is None else cache[i])
+        return self._logits(h, num_logits)
+
+    def _forward_at(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache, num_logits: Optional[int]) -> torch.Tensor:
+        """`forward` for rows at positions of their own: rotations, cache writes and masks per row."""
+        if cache is None or len(cache) != self.n_layers:
+            raise ValueError(f"input_pos needs a cache of {self.n_layers} layers that takes positions, "
+                             f"got {'none' if cache is None else len(cache)}")
+        if input_pos.shape != tokens.shape:
+            raise ValueError(f"input_pos {tuple(input_pos.shape)} must have the shape of tokens {tuple(tokens.shape)}")
+        h = self.tok_embeddings(tokens)  # (bsz, seqlen, dim)
+        freqs_cis = rope_cis_at(self.params.head_dim, self.params.rope_theta, input_pos)  # (bsz, seqlen, head_dim // 2)
+        mask = positions_mask(input_pos, cache[0].kv_len, h.dtype)  # (bsz, seqlen, kv_len)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, 0, freqs_cis, mask, cache[i], input_pos)
+        return self._logits(h, num_logits)
+
+    def _logits(self, h: torch.Tensor, num_logits: Optional[int]) -> torch.Tensor:
         if num_logits is not None:
             h = h[:, -num_logits:]
         return self.output(self.norm(h)).float()

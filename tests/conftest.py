@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny random LLaMA checkpoints in Meta's exact layout, with the example tokenizer."""
+"""Shared fixtures: tiny random LLaMA checkpoints in Meta's exact layout, with the example tokenizer.
+
+The functions behind them, and everything else the test files share, are in helpers.py.
+"""
 
 import os
 import tempfile
@@ -7,23 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama import Llama
-from llama.random_weights import write_random_checkpoint
-from llama.model import ModelArgs
-
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE_TOKENIZER = REPO / "tokenizer.model.example"
-
-# Multi-head, grouped-query and multi-query attention: n_heads / n_kv_heads = 1, 4 and 4 (down to 1 KV head).
-ATTENTION_SHAPES = {
-    "mha": {"n_heads": 4, "n_kv_heads": 4},
-    "gqa": {"n_heads": 8, "n_kv_heads": 2},
-    "mqa": {"n_heads": 4, "n_kv_heads": 1},
-}
-
-# A large init scale makes the tiny models' next-token distributions peaked, so greedy decoding is not
-# decided by near-ties that float rounding could flip.
-TEST_STD = 0.1
+from helpers import ATTENTION_SHAPES, write_nonstop, write_tiny
 
 torch.set_num_threads(2)
 
@@ -34,19 +21,6 @@ def pytest_configure(config):
     if not os.environ.get("LLAMA_KERNELS_DIR"):
         cache = getattr(config, "cache", None)
         os.environ["LLAMA_KERNELS_DIR"] = str(cache.mkdir("llama-kernels") if cache else tempfile.mkdtemp())
-
-
-def tiny_args(kind: str = "gqa", **overrides) -> ModelArgs:
-    fields = dict(dim=64, n_layers=2, vocab_size=4000, multiple_of=32, norm_eps=1e-5, max_seq_len=64, max_batch_size=8)
-    fields.update(ATTENTION_SHAPES[kind])
-    fields.update(overrides)
-    return ModelArgs(**fields)
-
-
-def write_tiny(path: Path, kind: str = "gqa", num_shards: int = 1, seed: int = 0, **overrides):
-    """A tiny float32 checkpoint at `path`; returns (path, state_dict)."""
-    return write_random_checkpoint(path, tiny_args(kind, **overrides), seed=seed, dtype=torch.float32,
-                                   tokenizer_path=EXAMPLE_TOKENIZER, num_shards=num_shards, std=TEST_STD)
 
 
 @pytest.fixture(scope="session", params=list(ATTENTION_SHAPES))
@@ -62,6 +36,7 @@ def gqa_ckpt(tmp_path_factory) -> Path:
     return path
 
 
-def build(ckpt: Path, **kwargs) -> Llama:
-    kwargs = {"max_seq_len": 64, "max_batch_size": 8, "device": "cpu", "dtype": "float32", **kwargs}
-    return Llama.build(ckpt, **kwargs)
+@pytest.fixture(scope="session")
+def nonstop_ckpt(tmp_path_factory) -> Path:
+    """A tiny grouped-query checkpoint whose greedy runs never stop early (helpers.write_nonstop)."""
+    return write_nonstop(tmp_path_factory.mktemp("ckpt") / "nonstop")

@@ -3,9 +3,8 @@
 import csv
 import json
 
-from conftest import build
+from helpers import build, run
 from llama.bench import measure
-from test_cli import run
 
 
 def test_measure_times_every_step_and_ignores_stop_tokens(gqa_ckpt):

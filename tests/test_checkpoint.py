@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
+from helpers import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
 from llama.random_weights import write_random_checkpoint
 from llama.devices import resolve_device, resolve_dtype
 from llama.errors import LlamaError

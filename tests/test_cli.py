@@ -1,4 +1,8 @@
-"""The console commands, run as a user runs them: subprocesses, exit statuses, what they print."""
+"""The console commands, run as a user runs them: subprocesses, exit statuses, what they print.
+
+Tests that need greedy output of an exact length run the checkpoint whose greedy runs never stop early
+(helpers.write_nonstop): the commands have no switch to ignore stop tokens.
+"""
 
 import io
 import json
@@ -6,61 +10,47 @@ import os
 import pty
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLE_TOKENIZER, REPO
+from helpers import (
+    BIN, EXAMPLE_TOKENIZER, PROMPT, assert_one_line_error, build, chat, chat_stats, generate, json_lines, run,
+)
+from llama import Llama
+from llama.cli import generate as generate_command
 from llama.cli.streaming import TextStream
 from llama.tokenizer import Tokenizer
 
-BIN = Path(sys.executable).parent
-PROMPT = "I believe the meaning of life is"
 
-
-def run(cmd, *args, input=None, env=None):
-    exe = str(BIN / cmd) if not cmd.endswith(".py") else sys.executable
-    argv = [exe] + ([str(REPO / cmd)] if cmd.endswith(".py") else []) + [str(a) for a in args]
-    return subprocess.run(argv, capture_output=True, text=True, input=input, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
-def generate(ckpt, *args, **kwargs):
-    return run("llama-generate", "--ckpt-dir", ckpt, "--temperature", "0", "--max-gen-len", "12", *args, **kwargs)
-
-
-def assert_one_line_error(result, *fragments):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = [l for l in result.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
-
-
-def test_generate_echo_prints_prompt_then_continuation(gqa_ckpt):
-    plain = generate(gqa_ckpt, "--prompt", PROMPT)
-    echoed = generate(gqa_ckpt, "--prompt", PROMPT, "--echo")
+def test_generate_echo_prints_prompt_then_continuation(nonstop_ckpt):
+    llama = build(nonstop_ckpt)
+    prompt = llama.tokenizer.encode(PROMPT, bos=True, eos=False)
+    (new,), _ = llama.generate([prompt], 12, temperature=0)
+    assert len(new) == 12
+    plain = generate(nonstop_ckpt, "--prompt", PROMPT)
+    echoed = generate(nonstop_ckpt, "--prompt", PROMPT, "--echo")
     assert plain.returncode == echoed.returncode == 0, plain.stderr + echoed.stderr
+    assert plain.stdout == llama.tokenizer.decode(new) + "\n"
+    assert echoed.stdout == llama.tokenizer.decode(prompt + new) + "\n"
     assert echoed.stdout.startswith(PROMPT)
-    assert plain.stdout.strip() and echoed.stdout.rstrip("\n").endswith(plain.stdout.strip())
 
 
-def test_no_kv_cache_prints_the_same_text(gqa_ckpt):
-    cached = generate(gqa_ckpt, "--prompt", PROMPT, "--json", "--logprobs")
-    uncached = generate(gqa_ckpt, "--prompt", PROMPT, "--json", "--logprobs", "--no-kv-cache")
-    a, b = json.loads(cached.stdout), json.loads(uncached.stdout)
+def test_no_kv_cache_prints_the_same_text(nonstop_ckpt):
+    cached = generate(nonstop_ckpt, "--prompt", PROMPT, "--json", "--logprobs")
+    uncached = generate(nonstop_ckpt, "--prompt", PROMPT, "--json", "--logprobs", "--no-kv-cache")
+    (a,), (b,) = json_lines(cached.stdout), json_lines(uncached.stdout)
     assert (a["kv_cache"], b["kv_cache"]) == (True, False)
     assert a["text"] == b["text"] and a["tokens"] == b["tokens"] and len(a["tokens"]) == 12
+    # Measured: within 2e-6 (float32 rounding of two orders of additions).
     assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-5
 
 
-def test_json_gives_one_object_per_prompt(gqa_ckpt, tmp_path):
+def test_json_gives_one_object_per_prompt(nonstop_ckpt, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\n\nThe answer is\n42\n", encoding="utf-8")
-    result = generate(gqa_ckpt, "--prompts-file", prompts, "--json")
+    result = generate(nonstop_ckpt, "--prompts-file", prompts, "--json")
     assert result.returncode == 0, result.stderr
-    records = [json.loads(line) for line in result.stdout.splitlines()]
+    records = json_lines(result.stdout)
     assert [r["prompt"] for r in records] == ["Hello", "The answer is", "42"]  # blank lines skipped
     for r in records:
         assert set(r) == {"prompt", "text", "tokens", "kv_cache", "timings"}
@@ -81,17 +71,54 @@ def test_stats_reports_prefill_decode_and_cache_bytes(gqa_ckpt):
     assert "kv cache bytes:  0" not in cached.stderr and "kv cache bytes:" in cached.stderr
 
 
-def test_streaming_prints_exactly_the_final_text(gqa_ckpt):
+def test_streaming_prints_exactly_the_final_text(nonstop_ckpt):
     for extra in ([], ["--echo"]):
-        streamed = generate(gqa_ckpt, "--prompt", PROMPT, "--stream", *extra)
-        final = generate(gqa_ckpt, "--prompt", PROMPT, "--stream", "False", *extra)
+        streamed = generate(nonstop_ckpt, "--prompt", PROMPT, "--stream", *extra)
+        final = generate(nonstop_ckpt, "--prompt", PROMPT, "--stream", "False", *extra)
         assert streamed.returncode == 0 and streamed.stdout == final.stdout
+        assert len(final.stdout) > len(PROMPT if extra else "") + 1  # 12 tokens of text, not an empty line
 
 
-def test_a_single_prompt_streams_on_a_terminal(gqa_ckpt):
-    """Under a pseudo-terminal, output arrives in pieces and adds up to the piped (non-streamed) text."""
+class _Terminal(io.StringIO):
+    """A stdout that says it is a terminal and logs each write."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.log.append(text)
+        return super().write(text)
+
+
+def test_on_a_terminal_text_is_written_while_it_is_generated(nonstop_ckpt, monkeypatch):
+    """A single prompt printed to a terminal streams by default: text is written piece by piece while the
+    model generates it, not all at once when it has finished, and adds up to the piped text."""
+    log = []
+    original = Llama.generate
+
+    def generate_and_note_the_end(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        log.append(None)  # generation has finished
+        return out
+
+    monkeypatch.setattr(Llama, "generate", generate_and_note_the_end)
+    monkeypatch.setattr(sys, "stdout", _Terminal(log))
+    generate_command.main(prompt=PROMPT, ckpt_dir=str(nonstop_ckpt), temperature=0, max_gen_len=12)
+    end = log.index(None)
+    during = [piece for piece in log[:end] if piece]
+    assert len(during) > 1, log  # in pieces, before generation ended
+    assert "".join(p for p in log if p is not None) == generate(nonstop_ckpt, "--prompt", PROMPT).stdout
+
+
+def test_a_single_prompt_streams_on_a_terminal(nonstop_ckpt):
+    """Under a real pseudo-terminal, what arrives adds up to the piped (non-streamed) text. (That it is
+    written while it is generated is the test above: how the reads here split the text is up to timing.)"""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([str(BIN / "llama-generate"), "--ckpt-dir", str(gqa_ckpt), "--prompt", PROMPT,
+    proc = subprocess.Popen([str(BIN / "llama-generate"), "--ckpt-dir", str(nonstop_ckpt), "--prompt", PROMPT,
                              "--temperature", "0", "--max-gen-len", "12"], stdout=slave, stderr=subprocess.PIPE)
     os.close(slave)
     chunks = []
@@ -105,7 +132,7 @@ def test_a_single_prompt_streams_on_a_terminal(gqa_ckpt):
         chunks.append(data)
     assert proc.wait(timeout=300) == 0
     on_terminal = b"".join(chunks).decode().replace("\r\n", "\n")
-    assert on_terminal == generate(gqa_ckpt, "--prompt", PROMPT).stdout
+    assert on_terminal == generate(nonstop_ckpt, "--prompt", PROMPT).stdout
 
 
 def test_stream_decoding_holds_back_split_characters():
@@ -194,17 +221,38 @@ def test_help_reads_well():
     assert "Optional[Optional]" not in text
 
 
-def test_chat_keeps_history_resets_and_leaves_on_eof(gqa_ckpt):
-    script = "Hello there\nTell me more\n/reset\nHello there\n"
-    args = ["--ckpt-dir", gqa_ckpt, "--temperature", "0", "--max-gen-len", "8"]
-    cached = run("llama-chat", *args, input=script)
-    uncached = run("llama-chat", *args, "--no-kv-cache", input=script)
-    assert cached.returncode == 0, cached.stderr
-    replies = cached.stdout.splitlines()
-    assert len(replies) == 3
-    assert replies[0] == replies[2]  # after /reset the same first message gets the same reply
+def test_chat_keeps_history_resets_and_leaves_on_eof(nonstop_ckpt):
+    """Each reply answers the whole conversation so far: the second message's prompt holds the first exchange
+    (cache on and off), /reset starts over, and the end of input leaves. Replies are counted from the lines
+    --stats writes after each, not by splitting the model's text (which may hold line breaks of its own)."""
+    first, second = "Hello there, I am Ada and I would like to talk about the weather today", "Tell me more"
+    script = f"{first}\n{second}\n/reset\n{first}\n"
+    cached = chat(nonstop_ckpt, "--stats", input=script)
+    uncached = chat(nonstop_ckpt, "--stats", "--no-kv-cache", input=script)
     assert "(history cleared)" in cached.stderr
     assert uncached.stdout == cached.stdout
+    # What a chat of the first message alone, and of the first two, prints: its replies, each with a newline.
+    alone = chat(nonstop_ckpt, input=f"{first}\n").stdout
+    pair = chat(nonstop_ckpt, input=f"{first}\n{second}\n").stdout
+    assert cached.stdout == pair + alone  # after /reset the first message gets the first reply again
+    assert pair.startswith(alone) and alone.endswith("\n")
+
+    tokenizer = Tokenizer(str(nonstop_ckpt / "tokenizer.model"))
+    llama = build(nonstop_ckpt)
+    reply = alone[:-1]
+    with_history = llama.dialog_tokens([{"role": "user", "content": first}, {"role": "assistant", "content": reply},
+                                        {"role": "user", "content": second}])
+    assert len(with_history) > len(llama.dialog_tokens([{"role": "user", "content": second}])) + 20
+    for result, kv_cache in ((cached, True), (uncached, False)):
+        turns = chat_stats(result.stderr)
+        assert len(turns) == 3, result.stderr  # one line per reply
+        # The second prompt is the whole dialog so far; after /reset the first message stands alone again.
+        assert [t["prompt"] for t in turns] == [turns[0]["prompt"], len(with_history), turns[0]["prompt"]]
+        assert turns[0]["prompt"] > len(tokenizer.encode(first, bos=False, eos=False))
+        if kv_cache:  # and the first exchange's keys and values are reused for it
+            assert turns[1]["reused"] >= turns[0]["prompt"] - 2
+        else:
+            assert all(t["reused"] == 0 and t["prefilled"] == t["prompt"] for t in turns)
 
 
 def test_example_scripts_run_with_and_without_cache(gqa_ckpt):

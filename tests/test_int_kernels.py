@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import REPO, build
+from helpers import REPO, build
 from llama import kernels
 from llama import quant_format as qf
 from llama.int_linears import Int4DotLinear, Int8DotLinear

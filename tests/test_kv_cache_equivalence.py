@@ -8,7 +8,7 @@ what each prompt gives alone.
 import pytest
 import torch
 
-from conftest import build
+from helpers import build
 from llama.checkpoint import load_checkpoint, model_args, read_params
 from reference import reference_logits
 
@@ -65,15 +65,19 @@ def test_both_paths_match_the_reference_implementation(tiny_ckpt):
         cached = torch.cat([llama.model(tokens[:, :8], 0, cache)] +
                            [llama.model(tokens[:, p : p + 1], p, cache) for p in range(8, 24)], dim=1)
         uncached = llama.model(tokens)
-    torch.testing.assert_close(uncached, ref, rtol=0, atol=1e-3)
-    torch.testing.assert_close(cached, ref, rtol=0, atol=1e-3)
+    # float32 against float64 on logits of magnitude ~4: measured within 3.2e-6. 2e-5 leaves room for other
+    # CPUs' orders of additions; a wrong rotary layout, mask, cache position or head grouping is off by ~1.
+    torch.testing.assert_close(uncached, ref, rtol=0, atol=2e-5)
+    torch.testing.assert_close(cached, ref, rtol=0, atol=2e-5)
 
 
 def test_greedy_generation_is_identical_with_and_without_cache(tiny_ckpt):
     llama = build(tiny_ckpt)
     prompts = _prompt_tokens(llama)
     runs = {
-        kv: llama.generate(prompts, max_gen_len=24, temperature=0, logprobs=True, echo=True, kv_cache=kv)
+        # ignore_stop: every row runs its 24 steps, whatever a random model ranks first.
+        kv: llama.generate(prompts, max_gen_len=24, temperature=0, logprobs=True, echo=True, kv_cache=kv,
+                           ignore_stop=True)
         for kv in (True, False)
     }
     (tok_c, lp_c), (tok_u, lp_u) = runs[True], runs[False]
@@ -81,9 +85,9 @@ def test_greedy_generation_is_identical_with_and_without_cache(tiny_ckpt):
     for row_c, row_u, toks in zip(lp_c, lp_u, tok_c):
         assert len(row_c) == len(row_u) == len(toks)
         torch.testing.assert_close(torch.tensor(row_c), torch.tensor(row_u), rtol=0, atol=1e-5)
-    # Something was generated, and echo returned the prompts in front.
+    # echo returned the prompts in front of their 24 new tokens.
     for prompt, toks in zip(prompts, tok_c):
-        assert toks[: len(prompt)] == prompt and len(toks) > len(prompt)
+        assert toks[: len(prompt)] == prompt and len(toks) == len(prompt) + 24
 
 
 def test_logprobs_are_those_of_the_model(gqa_ckpt):
@@ -114,8 +118,8 @@ def test_each_prompt_of_a_mixed_length_batch_gives_what_it_gives_alone(gqa_ckpt,
 def test_a_one_token_prompt(tiny_ckpt):
     llama = build(tiny_ckpt)
     bos_only = [[llama.tokenizer.bos_id]]
-    cached = llama.generate(bos_only, 10, temperature=0, logprobs=True, kv_cache=True)
-    uncached = llama.generate(bos_only, 10, temperature=0, logprobs=True, kv_cache=False)
+    cached = llama.generate(bos_only, 10, temperature=0, logprobs=True, kv_cache=True, ignore_stop=True)
+    uncached = llama.generate(bos_only, 10, temperature=0, logprobs=True, kv_cache=False, ignore_stop=True)
     assert cached[0] == uncached[0] and len(cached[0][0]) == 10
     torch.testing.assert_close(torch.tensor(cached[1]), torch.tensor(uncached[1]), rtol=0, atol=1e-5)
 
@@ -123,10 +127,10 @@ def test_a_one_token_prompt(tiny_ckpt):
 def test_generation_runs_to_exactly_max_seq_len(gqa_ckpt):
     llama = build(gqa_ckpt, max_seq_len=32)
     prompts = _prompt_tokens(llama)
-    results = [llama.generate(prompts, max_gen_len=1000, temperature=0, echo=True, kv_cache=kv)[0] for kv in (True, False)]
+    # ignore_stop: every row fills the context to its last position, whatever a random model ranks first.
+    results = [llama.generate(prompts, max_gen_len=1000, temperature=0, echo=True, kv_cache=kv, ignore_stop=True)[0]
+               for kv in (True, False)]
     assert results[0] == results[1]
-    # No eos in a random model's greedy output here, so every row fills the context to the last position.
-    assert llama.tokenizer.eos_id not in sum(results[0], [])
     assert [len(t) for t in results[0]] == [32] * len(prompts)
     assert llama.last_kv_cache_bytes == 0  # the uncached run allocated no cache
 
@@ -144,21 +148,23 @@ def test_bf16_stays_close_to_the_float32_reference(gqa_ckpt):
     f32 = build(gqa_ckpt, dtype="float32")
     bf16 = build(gqa_ckpt, dtype="bfloat16")
     assert bf16.model.output.weight.dtype == torch.bfloat16
-    tokens = torch.randint(0, f32.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, f32.model.vocab_size, (8, 64), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         ref = f32.model(tokens)
         uncached = bf16.model(tokens)
-        cache = bf16.model.new_kv_cache(2, 32)
-        cached = torch.cat([bf16.model(tokens[:, :16], 0, cache)] +
-                           [bf16.model(tokens[:, p : p + 1], p, cache) for p in range(16, 32)], dim=1)
+        cache = bf16.model.new_kv_cache(8, 64)
+        cached = torch.cat([bf16.model(tokens[:, :32], 0, cache)] +
+                           [bf16.model(tokens[:, p : p + 1], p, cache) for p in range(32, 64)], dim=1)
     # bf16 keeps 8 significant bits: on logits of magnitude ~10, errors of a few tenths are expected.
     # Both bf16 paths are held to the float32 reference, not to each other.
     scale = ref.abs().max().item()
     for got in (cached, uncached):
         torch.testing.assert_close(got, ref, rtol=0, atol=0.05 * scale)
         assert (got - ref).abs().mean().item() < 0.01 * scale
-        # The most likely token agrees with float32 wherever float32 is not near a tie.
+        # The most likely token agrees with float32 wherever float32 is not near a tie. How many positions are
+        # that clear depends on the random weights (8 of 64 for one seed): of 512, at least 8, short of a
+        # coincidence.
         top2 = ref.topk(2, dim=-1).values
         clear = (top2[..., 0] - top2[..., 1]) > 0.1 * scale
-        assert clear.sum() > 10
+        assert clear.sum() >= 8
         assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])

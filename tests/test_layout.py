@@ -3,7 +3,7 @@
 import ast
 import re
 
-from conftest import REPO
+from helpers import REPO
 
 CONTINUATION = " " * 36  # the column where an entry's wrapped text goes on
 

@@ -5,22 +5,17 @@ The first run downloads the vocabulary (see test_llama2_tokenizer.py); later run
 """
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from sentencepiece import SentencePieceProcessor
 
-from conftest import REPO
 from gguf_writer import MIXED_TYPES, write_llama_gguf
+from helpers import PROMPT, convert_cli, run
 from llama import Llama
 from llama.convert.llama2_vocab import TOKENIZER_MODEL, VOCAB_GGUF, fetch_llama2_vocab, read_llama_cpp_vectors
 
-BIN = Path(sys.executable).parent
-PROMPT = "I believe the meaning of life is"
 PROMPT_IDS = [1, 306, 4658, 278, 6593, 310, 2834, 338]
 GEN_LEN = 20
 
@@ -43,8 +38,7 @@ def converted(gguf_dir, tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("converted") / "ckpt"
     # Float weights: these tests edit them and compare float logits with transformers' (tests of the
     # quantized conversion are in test_quant_convert.py).
-    result = subprocess.run([str(BIN / "llama-convert"), str(gguf_dir / "model.gguf"), str(dest), "--dequantize"],
-                            capture_output=True, text=True, timeout=300)
+    result = convert_cli(gguf_dir / "model.gguf", dest, "--dequantize")
     assert result.returncode == 0, result.stderr
     return dest
 
@@ -117,11 +111,14 @@ def test_rotary_layout_matters(ours, theirs):
 
 
 def test_greedy_continuation_matches_transformers_with_and_without_cache(ours, theirs):
-    cached, _ = ours.generate([PROMPT_IDS], max_gen_len=GEN_LEN, temperature=0, kv_cache=True)
-    uncached, _ = ours.generate([PROMPT_IDS], max_gen_len=GEN_LEN, temperature=0, kv_cache=False)
+    """Both run GEN_LEN greedy steps whatever they pick, end-of-sequence included (ignore_stop here; no
+    eos_token_id there: transformers' min_new_tokens would forbid eos rather than run on through it)."""
+    cached, _ = ours.generate([PROMPT_IDS], max_gen_len=GEN_LEN, temperature=0, kv_cache=True, ignore_stop=True)
+    uncached, _ = ours.generate([PROMPT_IDS], max_gen_len=GEN_LEN, temperature=0, kv_cache=False, ignore_stop=True)
+    theirs.generation_config.eos_token_id = None
     with torch.no_grad():
         hf = theirs.generate(torch.tensor([PROMPT_IDS]), attention_mask=torch.ones(1, len(PROMPT_IDS), dtype=torch.long),
-                             max_new_tokens=GEN_LEN, min_new_tokens=GEN_LEN, do_sample=False)
+                             max_new_tokens=GEN_LEN, do_sample=False, pad_token_id=0)
     expected = hf[0, len(PROMPT_IDS):].tolist()
     assert len(expected) == GEN_LEN
     assert cached[0] == uncached[0] == expected
@@ -129,11 +126,8 @@ def test_greedy_continuation_matches_transformers_with_and_without_cache(ours, t
 
 def test_scaled_down_llama2_checkpoint_with_the_real_tokenizer(vocab_dir, tmp_path):
     dest = tmp_path / "small7b"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "write_random_checkpoint.py"), str(dest), "--size", "7B",
-         "--n_layers", "2", "--dim", "256", "--n_heads", "2", "--tokenizer", str(vocab_dir / TOKENIZER_MODEL),
-         "--dtype", "float32"],
-        capture_output=True, text=True, timeout=300)
+    result = run("scripts/write_random_checkpoint.py", dest, "--size", "7B", "--n_layers", "2", "--dim", "256",
+                 "--n_heads", "2", "--tokenizer", vocab_dir / TOKENIZER_MODEL, "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     params = json.loads((dest / "params.json").read_text())
     # The 7B preset's vocab_size -1 is resolved from the tokenizer when the file is written.
@@ -143,7 +137,7 @@ def test_scaled_down_llama2_checkpoint_with_the_real_tokenizer(vocab_dir, tmp_pa
     assert llama.model.params.vocab_size == llama.tokenizer.n_words == 32000
     assert llama.model.output.weight.shape == (32000, 256)
     assert llama.tokenizer.encode(PROMPT, bos=True, eos=False) == PROMPT_IDS
-    cached, _ = llama.generate([PROMPT_IDS], max_gen_len=8, temperature=0, kv_cache=True)
-    uncached, _ = llama.generate([PROMPT_IDS], max_gen_len=8, temperature=0, kv_cache=False)
+    cached, _ = llama.generate([PROMPT_IDS], max_gen_len=8, temperature=0, kv_cache=True, ignore_stop=True)
+    uncached, _ = llama.generate([PROMPT_IDS], max_gen_len=8, temperature=0, kv_cache=False, ignore_stop=True)
     assert len(cached[0]) == 8 and cached == uncached
     assert all(0 <= t < 32000 for t in cached[0])

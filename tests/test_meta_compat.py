@@ -3,16 +3,14 @@ unmodified under real torchrun (gloo on the CPU) with 1 and 2 processes."""
 
 import dataclasses
 import inspect
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import llama
-from conftest import EXAMPLE_TOKENIZER, write_tiny
+from helpers import EXAMPLE_TOKENIZER, torchrun, write_tiny
 from llama import Llama
 
 EXAMPLES = Path(__file__).resolve().parent / "meta_examples"
@@ -85,14 +83,6 @@ def ckpt(tmp_path_factory):
     path, _ = write_tiny(root / "llama-2-tiny", "gqa", num_shards=2, seed=11)
     (path / "tokenizer.model").rename(root / "tokenizer.model")
     return path
-
-
-def torchrun(script: Path, nproc: int, *args: str, env=None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script), *args]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def run_example(name: str, ckpt: Path, nproc: int, env=None) -> subprocess.CompletedProcess:

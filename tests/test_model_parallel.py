@@ -1,19 +1,15 @@
 """Model parallelism under real torchrun (gloo on the CPU): N shards on M processes, cache on and off."""
 
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import write_tiny
+from helpers import BIN, TORCHRUN, generate_json, write_tiny
 
-BIN = Path(sys.executable).parent
-# torchrun as a module of this Python: a virtual environment that takes torch from the system's site-packages
-# has no torchrun script of its own.
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+pytestmark = pytest.mark.slow  # every test starts torchrun
+
 PROMPTS = ["I believe the meaning of life is", "Hello", "def fibonacci(n):"]
 
 
@@ -33,17 +29,8 @@ def prompts_file(tmp_path_factory):
 
 def generate(ckpt, prompts_file, nproc, kv_cache=True):
     """llama-generate's JSON records, run by one plain process or by torchrun with `nproc` ranks."""
-    args = ["--ckpt-dir", str(ckpt), "--prompts-file", str(prompts_file), "--json", "--logprobs", "--echo",
-            "--temperature", "0", "--max-gen-len", "16", "--device", "cpu"]
-    if not kv_cache:
-        args.append("--no-kv-cache")
-    cmd = [str(BIN / "llama-generate")]
-    if nproc > 1:
-        cmd = TORCHRUN + ["--standalone", f"--nproc_per_node={nproc}", "--no-python"] + cmd
-    result = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines()]
+    flags = ["--prompts-file", prompts_file, "--echo"] + ([] if kv_cache else ["--no-kv-cache"])
+    return generate_json(ckpt, *flags, nproc=nproc, max_gen_len=16)
 
 
 def assert_same(a, b):
@@ -79,7 +66,7 @@ def test_two_shards_on_one_process_are_merged(checkpoints, prompts_file, single_
 
 
 def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, prompts_file):
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=3", "--no-python", str(BIN / "llama-generate"),
+    cmd = TORCHRUN + ["--nproc_per_node=3", "--no-python", str(BIN / "llama-generate"),
                       "--ckpt-dir", str(checkpoints[1]), "--prompt", "hi", "--device", "cpu"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
@@ -87,7 +74,7 @@ def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, pro
 
 
 def test_compile_under_torchrun_is_refused(checkpoints):
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node=2", "--no-python", str(BIN / "llama-generate"),
+    cmd = TORCHRUN + ["--nproc_per_node=2", "--no-python", str(BIN / "llama-generate"),
                       "--ckpt-dir", str(checkpoints[2]), "--prompt", "Hello", "--device", "cpu", "--compile"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode != 0

@@ -7,11 +7,10 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, build
+from helpers import REPO, assert_one_line_error, build, run
 from llama.cli.perplexity import cli
 from llama.errors import LlamaError
 from llama.perplexity import perplexity, window_starts
-from test_cli import assert_one_line_error, run
 
 CTX = 16
 

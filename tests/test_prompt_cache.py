@@ -8,8 +8,6 @@ refused with one sentence; the loader never unpickles anything.
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,14 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from conftest import build, write_tiny
+from helpers import PROMPT, build, generate, run, write_tiny
 from llama.identity import file_digests, model_identity
 from llama.prompt_cache import PromptCacheError, load_prompt_cache, restore, save_prompt_cache
 from llama.session import Session
 from llama.tokenizer import Tokenizer
-
-BIN = Path(sys.executable).parent
-PROMPT = "I believe the meaning of life is"
 
 
 @pytest.fixture()
@@ -49,7 +44,7 @@ def test_a_loaded_cache_holds_what_was_saved_and_answers_as_a_fresh_run(saved):
     for (k, v), (k2, v2) in zip(loaded.kv, session.kv_tensors()):
         assert torch.equal(k, k2) and torch.equal(v, v2)
 
-    fresh_session = Session(build(Path(llama.ckpt_dir)).model)
+    fresh_session = Session(build(Path(llama.info.ckpt_dir)).model)
     assert restore(fresh_session, loaded) == len(session.tokens)
     longer = session.tokens + llama.tokenizer.encode(" and more", bos=False, eos=False)
     got = llama.generate([longer], 10, temperature=0, logprobs=True, session=fresh_session)
@@ -175,10 +170,9 @@ def test_a_pickle_is_never_unpickled(saved, tmp_path, monkeypatch):
     assert not mark.exists()
 
 
-def generate(ckpt, *args):
-    result = subprocess.run([str(BIN / "llama-generate"), "--ckpt-dir", str(ckpt), "--temperature", "0",
-                             "--max-gen-len", "10", "--json", *map(str, args)], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def generate_tokens(ckpt, *args):
+    """llama-generate's tokens (10 at the most, greedy) and its stderr."""
+    result = generate(ckpt, "--max-gen-len", "10", "--json", *args)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     return json.loads(result.stdout)["tokens"], result.stderr
@@ -195,19 +189,19 @@ def test_generate_with_a_prompt_cache_prints_what_it_prints_without(gqa_ckpt, tm
     n_short, n = (len(tokenizer.encode(p, bos=True, eos=False)) for p in (short, longer))
     assert tokenizer.encode(longer, bos=True, eos=False)[:n_short] == tokenizer.encode(short, bos=True, eos=False)
 
-    first, _ = generate(gqa_ckpt, "--prompt", short, "--prompt-cache", cache)
+    first, _ = generate_tokens(gqa_ckpt, "--prompt", short, "--prompt-cache", cache)
     assert first == plain_short and cache.is_file()
-    second, err = generate(gqa_ckpt, "--prompt", longer, "--prompt-cache", cache, "--stats")
+    second, err = generate_tokens(gqa_ckpt, "--prompt", longer, "--prompt-cache", cache, "--stats")
     assert second == plain_longer
     assert f"prompt cache:    {n_short} tokens reused, {n - n_short} prefilled" in err
 
     # A damaged file is ignored in one line, the output is unchanged, and a good file replaces it.
     cache.write_bytes(cache.read_bytes()[:-10])
-    third, err = generate(gqa_ckpt, "--prompt", longer, "--prompt-cache", cache, "--stats")
+    third, err = generate_tokens(gqa_ckpt, "--prompt", longer, "--prompt-cache", cache, "--stats")
     assert third == plain_longer
     notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "damaged or truncated" in notes[0] and "prompt cache:    0 tokens reused" in err
-    fourth, err = generate(gqa_ckpt, "--prompt", longer, "--prompt-cache", cache, "--stats")
+    fourth, err = generate_tokens(gqa_ckpt, "--prompt", longer, "--prompt-cache", cache, "--stats")
     assert fourth == plain_longer and "note:" not in err
     assert f"prompt cache:    {n - 1} tokens reused, 1 prefilled" in err  # all but the last, which picks the next
 
@@ -219,8 +213,7 @@ def test_generate_refuses_a_prompt_cache_it_cannot_use_or_write(gqa_ckpt, tmp_pa
              (tmp_path / "p.kv", ["--prompt", PROMPT, "--no-kv-cache"], "--prompt-cache keeps"),
              (tmp_path / "nowhere" / "p.kv", ["--prompt", PROMPT], "the folder")]
     for path, args, message in cases:
-        result = subprocess.run([str(BIN / "llama-generate"), "--ckpt-dir", str(gqa_ckpt), "--prompt-cache",
-                                 str(path), *map(str, args)], capture_output=True, text=True, timeout=300)
+        result = run("llama-generate", "--ckpt-dir", gqa_ckpt, "--prompt-cache", path, *args)
         assert result.returncode == 1 and result.stderr.startswith("error: " + message)
         assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "p.kv").exists()

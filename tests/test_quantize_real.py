@@ -1,6 +1,8 @@
 """Quantization on the default model (SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF): lossless where the file
 allows it, and sensible text."""
 
+import re
+
 import pytest
 import torch
 
@@ -42,7 +44,9 @@ def test_quantized_greedy_text_stays_sensible(ckpt_dir, method, dtype):
     llama = Llama.build(ckpt_dir, max_seq_len=64, max_batch_size=2, device="cpu", dtype=dtype, quantize=method)
     out = llama.text_completion(["The capital of France is", "def fibonacci(n):"], temperature=0, max_gen_len=12)
     assert "Paris" in out[0]["generation"]
-    assert "return" in out[1]["generation"] or "fib" in out[1]["generation"] or "if" in out[1]["generation"]
+    # The float model writes "\n    if n == 0:\n        return 1"; int4 rounds its way to "n == 1": either way, a
+    # base case in Python, indented as Python is.
+    assert re.match(r"\n    if n (==|<=|<) \d:\n        return ", out[1]["generation"]), out[1]["generation"]
 
 
 PROMPTS = [
@@ -85,15 +89,15 @@ def file_quantized(tmp_path_factory):
 
 
 def test_the_models_own_quantized_blocks_give_the_float_models_logits(ckpt_dir, file_quantized):
-    """Held as int4/int8 they are the very values the float checkpoint holds widened: only the order of the
-    additions differs (float32 rounding on logits of magnitude ~20)."""
+    """Held as int4/int8 they are the very values the float checkpoint holds widened (measured: logits equal to
+    the last bit, both widening to the same float32 values; 2e-5 allows another order of additions)."""
     assert file_quantized.info.quantization == "mixed"
     widened = Llama.build(ckpt_dir, max_seq_len=128, max_batch_size=1, device="cpu", dtype="float32")
     ids = torch.tensor([widened.tokenizer.encode(PROMPTS[2], bos=True, eos=False)])
     with torch.inference_mode():
         got, want = file_quantized.model(ids), widened.model(ids)
     assert want.abs().max() > 5
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

@@ -10,7 +10,7 @@ from llama.checkpoint import load_checkpoint
 from llama.random_weights import random_state_dict, write_random_weights
 from llama.tensor_file import TensorFileWriter
 
-from conftest import EXAMPLE_TOKENIZER, REPO, tiny_args
+from helpers import EXAMPLE_TOKENIZER, REPO, tiny_args
 
 
 def test_written_file_loads_with_the_same_tensors_mapped_or_not(tmp_path):

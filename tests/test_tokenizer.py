@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import EXAMPLE_TOKENIZER
+from helpers import EXAMPLE_TOKENIZER
 from llama.errors import LlamaError
 from llama.tokenizer import Tokenizer
 

@@ -14,7 +14,7 @@ import torch
 
 from llama.bench import Run, measure
 from llama.cli.common import fail, run
-from llama.cli.loading import build_from_flags, is_main_rank
+from llama.cli.loading import build_from_flags, is_main_rank, model_flag
 from llama.files import write_atomically
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 1024)
@@ -55,6 +55,7 @@ def main(
     compile: bool = False,
     quantize: str = None,
     quant_kernels: str = "integer",
+    model: str = None,
 ):
     """Generate with and without the KV cache over a sweep of lengths and report what each costs.
 
@@ -68,7 +69,9 @@ def main(
         llama-bench --ckpt-dir llama-2-7b --device cuda --lengths 128,512,2048
 
     Args:
-        ckpt_dir: checkpoint directory in Meta's layout; default: the default model.
+        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
+            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
+            default model, fetched on first use.
         tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
         lengths: comma-separated numbers of new tokens to report (capped by max_seq_len).
         batch_sizes: comma-separated batch sizes, e.g. 1,4,16.
@@ -88,7 +91,9 @@ def main(
             loads as stored without it.
         quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
             llama-generate).
+        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
+    ckpt_dir = model_flag(ckpt_dir, model)
     lengths = _ints(lengths, "--lengths")
     batch_sizes = _ints(batch_sizes, "--batch-sizes")
     mode_names = [m.strip() for m in str(modes).split(",") if m.strip()]

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from llama.chat_format import has_special_tags
 from llama.cli.common import as_flags, fail, run
-from llama.cli.loading import build_from_flags, is_main_rank
+from llama.cli.loading import build_from_flags, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.conversation import Conversation
 from llama.errors import LlamaError
@@ -53,6 +53,7 @@ def main(
     session: str = None,
     quantize: str = None,
     quant_kernels: str = "integer",
+    model: str = None,
 ):
     """Chat with a LLaMA model in the terminal.
 
@@ -63,7 +64,9 @@ def main(
     note on stderr.
 
     Args:
-        ckpt_dir: checkpoint directory in Meta's layout; default: the default model, fetched on first use.
+        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
+            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
+            default model, fetched on first use.
         tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
         system: a system prompt that starts the conversation (and survives /reset).
         no_kv_cache: feed the whole prefix every step instead of caching keys and values. Same replies, slower.
@@ -86,7 +89,9 @@ def main(
             loads as stored without it.
         quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
             llama-generate).
+        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
+    ckpt_dir = model_flag(ckpt_dir, model)
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)

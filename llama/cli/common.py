@@ -61,6 +61,16 @@ def quote_raw_strings(argv: List[str], flags: Sequence[str]) -> List[str]:
     return out
 
 
+def model_short_flag(argv: List[str]) -> List[str]:
+    """llama.cpp's `-m FILE` as `--model FILE`: fire would take `-m` for any flag starting with m and refuse
+    it as ambiguous among --max-gen-len, --max-seq-len and --max-batch-size."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        out.append(f"--model{eq}{value}" if name == "-m" else arg)
+    return out
+
+
 def checked_types(main: Callable) -> Callable:
     """Wrap `main` so a flag annotated int, float or bool that fire parsed as something else (`--seed abc`,
     `--max-gen-len 1e3.5`) is a one-line error rather than a TypeError deep inside."""
@@ -95,6 +105,8 @@ def run(main: Callable, name: str, raw_string_flags: Sequence[str] = ()) -> None
     """
     debug = "--debug" in sys.argv or os.environ.get("LLAMA_DEBUG") == "1"
     argv = quote_raw_strings([a for a in sys.argv[1:] if a != "--debug"], raw_string_flags)
+    if "model" in inspect.signature(main).parameters:
+        argv = model_short_flag(argv)
     try:
         fire.Fire(checked_types(main), command=argv, name=name)
     except KeyboardInterrupt:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run
-from llama.cli.loading import build_from_flags, is_main_rank
+from llama.cli.loading import build_from_flags, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
 from llama.identity import describe, model_identity
@@ -61,6 +61,7 @@ def main(
     prompt_cache: str = None,
     quantize: str = None,
     quant_kernels: str = "integer",
+    model: str = None,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -73,7 +74,8 @@ def main(
     Args:
         prompt: the text to continue.
         prompts_file: a UTF-8 file with one prompt per line (instead of --prompt); they run as one batch.
-        ckpt_dir: checkpoint directory in Meta's layout (params.json, consolidated.NN.pth); default: the
+        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
+            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
             default model, fetched on first use.
         tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
         echo: print the prompt before its continuation.
@@ -105,7 +107,9 @@ def main(
             rounded to int8 blocks too, integer dot products as llama.cpp does: fast) or exact (the
             activations as they are times the dequantized weights: cached and uncached runs agree to float
             rounding).
+        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
+    ckpt_dir = model_flag(ckpt_dir, model)
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")

@@ -7,7 +7,9 @@ from typing import Optional
 
 from llama.cli.common import as_flags
 from llama.cli.progress import ProgressPrinter
+from llama.convert.cache import resolve_checkpoint
 from llama.download import default_model_dir
+from llama.errors import LlamaError
 from llama.generation import Llama
 from llama.progress import Progress
 
@@ -20,6 +22,7 @@ def default_ckpt_dir() -> str:
 def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
                      seed: int, device: Optional[str], dtype: Optional[str], compile: bool = False,
                      quantize: Optional[str] = None, quant_kernels: str = "integer") -> Llama:
+    ckpt_dir = converted(ckpt_dir) if ckpt_dir is not None else None
     if compile:
         print("compiling the decode step (--compile): one to two minutes the first time, seconds once Inductor "
               "has it cached on disk", file=sys.stderr, flush=True)
@@ -52,6 +55,24 @@ def _progress(ckpt_dir: Optional[str]) -> Progress:
             printer(what, done, total)
 
     return report
+
+
+def model_flag(ckpt_dir: Optional[str], model: Optional[str]) -> Optional[str]:
+    """The model a command was given: --ckpt-dir, or -m / --model (llama.cpp's name for the same flag)."""
+    if model is not None and ckpt_dir is not None and \
+            Path(str(model)).expanduser().resolve() != Path(str(ckpt_dir)).expanduser().resolve():
+        raise LlamaError(f"--ckpt-dir {ckpt_dir} and -m/--model {model} name different models; give one of them")
+    chosen = model if model is not None else ckpt_dir
+    return None if chosen is None else str(chosen)
+
+
+def converted(ckpt_dir: str) -> str:
+    """A checkpoint directory for --ckpt-dir: a GGUF file or Hugging Face folder is converted once into
+    $LLAMA_HOME/converted (llama/convert/cache.py), saying where, how much disk it takes and how it goes."""
+    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank resolves alike; rank 0 speaks for all
+        return str(resolve_checkpoint(ckpt_dir))
+    say = lambda line: print(f"llama-convert: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    return str(resolve_checkpoint(ckpt_dir, ProgressPrinter(prefix="llama-convert: "), say))
 
 
 def _is_big(ckpt_dir: Optional[str]) -> bool:

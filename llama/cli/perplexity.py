@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from llama.cli.common import fail, run
-from llama.cli.loading import build_from_flags, is_main_rank
+from llama.cli.loading import build_from_flags, is_main_rank, model_flag
 from llama.cli.progress import ProgressPrinter
 from llama.perplexity import check_ctx, perplexity, window_starts
 
@@ -40,6 +40,7 @@ def main(
     quantize: str = None,
     quant_kernels: str = "integer",
     json: bool = False,
+    model: str = None,
 ):
     """Perplexity of a model over a UTF-8 text file: exp of the mean negative log-likelihood per token.
 
@@ -59,7 +60,9 @@ def main(
         chunk_size: with the KV cache, each window is fed in chunks of this many tokens, each reading the
             keys and values of the chunks before it from the cache. Without it (--no-kv-cache) a window is
             one forward pass. Same perplexity either way.
-        ckpt_dir: checkpoint directory in Meta's layout; default: the default model.
+        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
+            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
+            default model, fetched on first use.
         tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
         no_kv_cache: feed each window whole instead of in chunks through the KV cache.
         device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
@@ -68,7 +71,9 @@ def main(
         quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
             llama-generate).
         json: print one JSON object (perplexity, its standard error, tokens scored, per-window figures).
+        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
+    ckpt_dir = model_flag(ckpt_dir, model)
     if file is None:
         fail("give the text file to score, e.g. llama-perplexity data/alice29.txt")
     try:

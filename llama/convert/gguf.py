@@ -9,6 +9,7 @@ float tensors keep their type.
 """
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -19,7 +20,7 @@ import torch
 from llama import quant_format
 from llama.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
 from llama.convert.gguf_quant import EXACT_TYPES, KEPT_TYPES, dequantize_exact, keep_quantized
-from llama.convert.gguf_scan import check_gguf_structure
+from llama.convert.gguf_scan import GGUFLayout, check_gguf_structure
 from llama.convert.hf import meta_params, tied_output
 from llama.convert.hf_tokenizer import byte_level_tokenizer_json, tokenizer_config
 from llama.convert.quantize import add_quantized, check_method, quantize_tensor
@@ -176,6 +177,34 @@ def convert_gguf(src: Path, dest: Path, overwrite: bool = False, dequantize: boo
     source = f"GGUF {Path(src).name}" + (f", --quantize {quantize}" if quantize else "")
     return save_checkpoint(dest, params, state_dict, overwrite=overwrite, extra_files=files,
                            quantization_source=source, progress=progress)
+
+
+def converted_bytes(src: Path, layout: Optional[GGUFLayout] = None) -> int:
+    """About how many bytes `convert_gguf(src)` writes (no --quantize or --dequantize), from the tensor table
+    alone (`layout`, scanned from `src` when not given): the rules of `read_gguf` applied to sizes."""
+    import gguf
+
+    layout = layout if layout is not None else check_gguf_structure(Path(src))
+    names = {name for name, _, _ in layout.tensors}
+    tensors = [(name, dims, code) for name, dims, code in layout.tensors if name not in _IGNORED]
+    tensors += [("output.weight", dims, code) for name, dims, code in layout.tensors  # tied: a copy for the output
+                if name == "token_embd.weight" and "output.weight" not in names]
+    # The tokenizer files rebuilt from the metadata are about the metadata's size; twice it, to be safe.
+    total = 2 * layout.header_bytes
+    for name, dims, code in tensors:
+        numel = math.prod(dims)
+        try:
+            type_name = gguf.GGMLQuantizationType(code).name
+        except ValueError:
+            type_name = None
+        meta_name = name if name == "output.weight" else _meta_name(name, Path(src))
+        if quant_format.is_linear_weight(meta_name) and len(dims) == 2 and type_name in KEPT_TYPES:
+            method, group = KEPT_TYPES[type_name][:2]
+            # int8: a byte per value, a float16 scale per group; int4: half a byte, a float16 scale and min.
+            total += numel + 2 * numel // group if method == "int8" else numel // 2 + 4 * numel // group
+        else:
+            total += numel * {"F16": 2, "BF16": 2}.get(type_name, 4)
+    return total
 
 
 def _ignore(line: str) -> None:

@@ -9,6 +9,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
+from typing import List, NamedTuple, Tuple
 
 from llama.errors import LlamaError
 
@@ -18,6 +19,13 @@ _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 8: None, 10: 8,
 _ARRAY = 9
 _MAX_DIMS = 4
 _MAX_TENSOR_TYPE = 64  # ggml's type codes are small; anything beyond is damage
+
+
+class GGUFLayout(NamedTuple):
+    """What the scan walked: where the header ends, and each tensor's (name, GGUF dims fastest-first, type code)."""
+
+    header_bytes: int
+    tensors: List[Tuple[str, Tuple[int, ...], int]]
 
 
 class _Cursor:
@@ -42,6 +50,11 @@ class _Cursor:
 
     def string(self, what: str) -> None:
         self.skip(self.take("<Q"), what)
+
+    def text(self, what: str) -> str:
+        start = self.pos + 8
+        self.string(what)
+        return bytes(self.data[start:self.pos]).decode("utf-8", errors="replace")
 
 
 def _skip_value(cur: _Cursor, vtype: int, depth: int = 0) -> None:
@@ -68,8 +81,13 @@ def _skip_value(cur: _Cursor, vtype: int, depth: int = 0) -> None:
         raise cur.fail(f"unknown value type {vtype}")
 
 
-def check_gguf_structure(src: Path) -> None:
-    """Raise LlamaError unless the header, metadata and tensor table of `src` are well formed and in bounds."""
+def check_gguf_structure(src: Path) -> GGUFLayout:
+    """Raise LlamaError unless the header, metadata and tensor table of `src` are well formed and in bounds.
+
+    Returns:
+        The header's length in bytes (the tensor data starts at the next alignment boundary) and the tensor
+        table, read without touching the data.
+    """
     with open(src, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise LlamaError(f"{src} is empty, not a GGUF file")
@@ -77,12 +95,12 @@ def check_gguf_structure(src: Path) -> None:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             view = memoryview(mapped)
             try:
-                _check(view, src)
+                return _check(view, src)
             finally:
                 view.release()  # the map cannot close while a view of it is alive (an exception's frames keep one)
 
 
-def _check(data: memoryview, src: Path) -> None:
+def _check(data: memoryview, src: Path) -> GGUFLayout:
     cur = _Cursor(data, src)
     if bytes(data[:4]) != _MAGIC:
         raise LlamaError(f"{src} is not a GGUF file (it does not start with 'GGUF')")
@@ -96,14 +114,37 @@ def _check(data: memoryview, src: Path) -> None:
     for _ in range(n_kv):
         cur.string("a metadata key")
         _skip_value(cur, cur.take("<I"))
+    tensors, data_end = [], 0
     for _ in range(n_tensors):
-        cur.string("a tensor name")
+        name = cur.text("a tensor name")
         n_dims = cur.take("<I")
         if not 0 < n_dims <= _MAX_DIMS:
             raise cur.fail(f"a tensor with {n_dims} dimensions")
         dims = [cur.take("<Q") for _ in range(n_dims)]
         if any(d == 0 or d > 1 << 40 for d in dims):
             raise cur.fail(f"a tensor of shape {dims}")
-        if cur.take("<I") > _MAX_TENSOR_TYPE:
+        tensor_type = cur.take("<I")
+        if tensor_type > _MAX_TENSOR_TYPE:
             raise cur.fail("an unknown tensor type")
-        cur.take("<Q")  # offset: checked by the reader against the data it maps
+        offset = cur.take("<Q")
+        tensors.append((name, tuple(dims), tensor_type))
+        data_end = max(data_end, offset + _tensor_bytes(dims, tensor_type))
+    # The data starts at the header's end rounded up to the file's alignment, so this is the least it needs.
+    if cur.pos + data_end > len(data):
+        raise LlamaError(f"{src} is truncated: its tensors need at least {cur.pos + data_end:,} bytes but the file "
+                         f"has {len(data):,}; download it again")
+    return GGUFLayout(cur.pos, tensors)
+
+
+def _tensor_bytes(dims: List[int], tensor_type: int) -> int:
+    """The bytes a tensor's data takes (0 for a type the gguf package does not know: the reader decides)."""
+    import gguf
+
+    try:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor_type)]
+    except (ValueError, KeyError):
+        return 0
+    numel = 1
+    for d in dims:
+        numel *= d
+    return numel // block_size * type_size

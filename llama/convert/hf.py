@@ -155,6 +155,20 @@ def convert_hf(src: Path, dest: Path, overwrite: bool = False, quantize: Optiona
                            quantization_source=f"--quantize {quantize} of {Path(src).name}", progress=progress)
 
 
+def converted_bytes(src: Path) -> int:
+    """About how many bytes `convert_hf(src)` writes (no --quantize): the weights as stored, the tokenizer,
+    and for a model with tied embeddings a second copy of the embedding (counted in float32, to be safe)."""
+    src = Path(src)
+    config = _read_json(src / "config.json")
+    files = (_weight_files(src, "*.safetensors", "model.safetensors.index.json")
+             or _weight_files(src, "pytorch_model*.bin", "pytorch_model.bin.index.json"))
+    files += [src / name for name in ("tokenizer.model", "tokenizer.json") if (src / name).is_file()]
+    total = sum(f.stat().st_size for f in files)
+    if config.get("tie_word_embeddings"):
+        total += 4 * int(config.get("vocab_size") or 0) * int(config.get("hidden_size") or 0)
+    return total
+
+
 def _meta_name(name: str, src: Path) -> str:
     stem, _, suffix = name.rpartition(".")
     if stem in _TOP_NAMES:

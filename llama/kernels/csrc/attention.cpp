@@ -4,8 +4,9 @@
 // that grow through the layers, so cached and uncached runs would part. With this op and the integer kernels
 // (whose rows are independent too) they give the same bits.
 //
-//   attention(q, k, v, mask) -> out     q (B, H, Nq, D), k and v (B, H, Nk, D), mask (Nq, Nk) additive or None;
-//                                       float32 or bf16; F.scaled_dot_product_attention's arguments and result
+//   attention(q, k, v, mask) -> out     q (B, H, Nq, D), k and v (B, H, Nk, D), mask additive or None, one for
+//                                       all rows (Nq, Nk) or one per row (B, 1, Nq, Nk); float32 or bf16;
+//                                       F.scaled_dot_product_attention's arguments and result
 //
 // Per row: s_j = dot(q, k_j) / sqrt(D) + mask_j over the keys whose mask is not -inf (the others are skipped:
 // they would add exactly nothing), m = max s_j, e_j = exp(s_j - m), out = (sum_j e_j v_j) / (sum_j e_j), the
@@ -43,6 +44,11 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const T* vp = v.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const T* mp = mask ? mask->data_ptr<T>() : nullptr;
+  // A mask of one row for all (Nq, Nk) or one per row (B, 1, Nq, Nk): strides for row b, query i, key j.
+  const bool per_row = mask && mask->dim() == 4;
+  const int64_t mb = per_row ? mask->stride(0) : 0;
+  const int64_t mi = mask ? mask->stride(per_row ? 2 : 0) : 0;
+  const int64_t mj = mask ? mask->stride(per_row ? 3 : 1) : 0;
   const float scale = 1.0f / std::sqrt(float(D));
   const float hidden = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * H * Nq, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, Nk * D)), [&](int64_t r0, int64_t r1) {
@@ -55,7 +61,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const T* vb = vp + b * v.stride(0) + h * v.stride(1);
       float m = hidden;
       for (int64_t j = 0; j < Nk; j++) {
-        const float mv = mp ? to_float(mp[i * mask->stride(0) + j * mask->stride(1)]) : 0.0f;
+        const float mv = mp ? to_float(mp[b * mb + i * mi + j * mj]) : 0.0f;
         if (mv == hidden) {
           scores[j] = hidden;
           continue;
@@ -96,8 +102,11 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   at::Tensor m;
   if (mask.has_value()) {
     m = mask->to(q.scalar_type());
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == q.size(2) && m.size(1) == k.size(2), "attention: mask ", m.sizes(),
-                " must be (", q.size(2), ", ", k.size(2), ")");
+    const bool one = m.dim() == 2 && m.size(0) == q.size(2) && m.size(1) == k.size(2);
+    const bool per_row = m.dim() == 4 && m.size(0) == q.size(0) && m.size(1) == 1 && m.size(2) == q.size(2) &&
+                         m.size(3) == k.size(2);
+    TORCH_CHECK(one || per_row, "attention: mask ", m.sizes(), " must be (", q.size(2), ", ", k.size(2), ") or (",
+                q.size(0), ", 1, ", q.size(2), ", ", k.size(2), ")");
   }
   if (q.scalar_type() == at::kFloat)
     attend_rows<float>(q, k, v, mask.has_value() ? &m : nullptr, out);

@@ -2,8 +2,6 @@
 `llama-convert --quantize` of float sources, the quantization record, and the errors."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -15,8 +13,8 @@ from llama import quant_format
 from llama.convert.gguf import convert_gguf
 from llama.convert.gguf_quant import keep_quantized
 
-from conftest import EXAMPLE_TOKENIZER, build, write_tiny
 from gguf_writer import Q, random_blocks, write_llama_gguf
+from helpers import EXAMPLE_TOKENIZER, build, convert_cli, write_tiny
 
 LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
 GGUF_NAMES = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
@@ -24,11 +22,6 @@ GGUF_NAMES = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv"
               "feed_forward.w2": "ffn_down"}
 # A shape whose rows are whole k-quant super-blocks of 256.
 K_SHAPE = dict(dim=256, hidden=512, n_heads=4, n_kv_heads=2)
-
-
-def convert_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llama.cli.convert", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
 
 
 def load(ckpt: Path):
@@ -214,23 +207,28 @@ def test_quantized_checkpoint_shards_and_loads_weights_only(tmp_path):
     assert json.loads((ckpt / quant_format.RECORD_NAME).read_text())["source"] == "test"
 
 
-# Needs branch issue12-runtime (Llama.build reading quantization.json); expected to fail without it.
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
 def test_converted_quantized_gguf_generates_like_its_float_conversion(tmp_path, qtype):
+    """Kept as int4 / int8 blocks, the model computes what its dequantized conversion computes: the same float32
+    values (equal to the last bit today, both widening the weight for F.linear; 2e-5 allows a kernel's other
+    order of additions), and so greedy runs give the same tokens."""
     src = write_llama_gguf(tmp_path / "m.gguf", types={k: qtype for k in LINEAR_KINDS})
     # The exact paths multiply by the very weights the float conversion holds; the integer kernels round the
     # activations too, which moves this flat random model's logits by ~1.6%, more than its top two tokens' gap.
     kept = build(convert_gguf(src, tmp_path / "kept"), quant_kernels="exact")
     wide = build(convert_gguf(src, tmp_path / "wide", dequantize=True))
+    tokens = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))  # its 300-piece vocabulary
+    with torch.inference_mode():
+        torch.testing.assert_close(kept.model(tokens), wide.model(tokens), rtol=0, atol=2e-5)
     prompt = [[1, 5, 9, 77, 200]]
-    ours, _ = kept.generate(prompt, max_gen_len=16, temperature=0)
-    reference, _ = wide.generate(prompt, max_gen_len=16, temperature=0)
+    ours, _ = kept.generate(prompt, max_gen_len=16, temperature=0, ignore_stop=True)
+    reference, _ = wide.generate(prompt, max_gen_len=16, temperature=0, ignore_stop=True)
     assert ours == reference
 
 
 def test_quantize_a_hugging_face_directory_memory_mapped(tmp_path):
     from llama.convert.hf import convert_hf
-    from test_convert import save_hf, tiny_hf_model
+    from helpers import save_hf, tiny_hf_model
 
     src = save_hf(tiny_hf_model(tied=True), tmp_path / "hf")
     wide = load(convert_hf(src, tmp_path / "wide"))
@@ -247,14 +245,18 @@ def test_quantize_a_hugging_face_directory_memory_mapped(tmp_path):
             assert torch.equal(sd[name], w), name
 
 
-@pytest.mark.slow
-def test_the_default_model_converts_to_int4_equal_to_its_own_file(tmp_path):
+@pytest.fixture(scope="module")
+def default_gguf() -> Path:
+    """The default model's own GGUF file (Q4_1 projections, a Q8_0 embedding), fetched on first use: this test
+    runs, alone or with -k, whether or not another test fetched it before."""
     from llama.download import default_model_gguf
 
-    try:
-        src = default_model_gguf(fetch=False)
-    except Exception:
-        pytest.skip("the default model's GGUF file is not in $LLAMA_HOME")
+    return default_model_gguf()
+
+
+@pytest.mark.slow
+def test_the_default_model_converts_to_int4_equal_to_its_own_file(default_gguf, tmp_path):
+    src = default_gguf
     ckpt = convert_gguf(src, tmp_path / "int4")
     sd, raw = load(ckpt), gguf_tensors(src)
     linear = [n for n in sd if quant_format.is_linear_weight(n)]

@@ -1,0 +1,234 @@
+"""llama-server: an OpenAI-compatible HTTP server that batches requests continuously over one shared KV cache.
+
+It listens at once and loads the model in the background (GET /health answers 503 until it is ready),
+then prints the URL. Ctrl-C or SIGTERM stops taking requests, gives those in flight a few seconds to
+finish (then ends them with an error event), and exits 0.
+"""
+
+import os
+import re
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Union
+
+from llama.cli.common import fail, run
+from llama.cli.loading import build_from_flags
+from llama.devices import available_memory
+from llama.download import DEFAULT_MODEL
+from llama.errors import LlamaError
+
+API_KEY_ENV = "LLAMA_API_KEY"
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
+          "gib": 2**30}
+
+
+def kv_cache_positions(size: Union[int, str, None], bytes_per_position: int, default: int) -> int:
+    """--kv-cache-size as positions: a whole number is tokens; a number with a unit (512MiB, 2GB) is bytes."""
+    if size is None:
+        return default
+    if isinstance(size, int) and not isinstance(size, bool):
+        tokens = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+        if not match or match.group(2).lower() not in _UNITS:
+            fail(f"--kv-cache-size takes tokens (4096) or bytes with a unit (512MiB, 2GB), not {size!r}")
+        if match.group(2) == "":
+            tokens = int(float(match.group(1)))
+        else:
+            tokens = int(float(match.group(1)) * _UNITS[match.group(2).lower()]) // bytes_per_position
+    if tokens < 1:
+        fail(f"--kv-cache-size {size} holds no token (one takes {bytes_per_position:,} bytes with this model)")
+    return tokens
+
+
+def main(
+    ckpt_dir: str = None,
+    tokenizer_path: str = None,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    parallel: int = 4,
+    kv_cache_size: Union[int, str] = None,
+    max_seq_len: int = 2048,
+    block_size: int = 16,
+    prefill_chunk: int = 128,
+    max_waiting: int = 64,
+    api_key: str = None,
+    no_kv_cache: bool = False,
+    model_name: str = None,
+    shutdown_grace: float = 5.0,
+    device: str = None,
+    dtype: str = None,
+    quantize: str = None,
+    quant_kernels: str = "integer",
+    compile: bool = False,
+):
+    """Serve a LLaMA model over OpenAI's HTTP API, batching requests continuously.
+
+    Examples:
+        llama-server
+        llama-server --port 8000 --parallel 8 --kv-cache-size 16384
+        curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+            -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
+
+    Args:
+        ckpt_dir: checkpoint directory in Meta's layout; default: the default model, fetched on first use.
+        tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
+        host: address to listen on; 0.0.0.0 serves other machines too (set --api-key then).
+        port: port to listen on; 0 picks a free one (the ready line names it).
+        parallel: sequences decoded together at each step; more wait their turn.
+        kv_cache_size: the KV cache all sequences share, in tokens (4096), or in bytes with a unit (512MiB);
+            default --parallel x --max-seq-len tokens, so every sequence can reach the full context.
+        max_seq_len: the longest prompt plus reply one request may have.
+        block_size: positions per KV-cache block (the unit in which memory is shared and reused).
+        prefill_chunk: prompt tokens fed per step, so a long prompt never stalls the streams running.
+        max_waiting: requests that may wait for room before more get 503.
+        api_key: require `Authorization: Bearer KEY` on every path but /health; default: $LLAMA_API_KEY.
+        no_kv_cache: feed every sequence's whole prefix at each step instead of caching keys and values.
+            Same answers, slower: to measure and to teach.
+        model_name: the model's id in responses and /v1/models; default: the checkpoint directory's name.
+        shutdown_grace: seconds requests in flight get to finish after Ctrl-C or SIGTERM.
+        device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
+        dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
+        quantize: int8 or int4: hold every linear layer's weights quantized as they load.
+        quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
+            llama-generate).
+        compile: compile the batched decode step with torch.compile before serving (prompt chunks run eagerly);
+            slower to start, faster per token. Needs a C++ compiler on the CPU; not with --no-kv-cache.
+    """
+    for name, value, low in (("--port", port, 0), ("--parallel", parallel, 1), ("--max-seq-len", max_seq_len, 2),
+                             ("--block-size", block_size, 1), ("--prefill-chunk", prefill_chunk, 1),
+                             ("--max-waiting", max_waiting, 0)):
+        if value < low:
+            fail(f"{name} must be at least {low}, not {value}")
+    if port > 65535:
+        fail(f"--port must be at most 65535, not {port}")
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        import uvicorn  # noqa: F401
+        from llama.server.http import ServerState, create_app
+    except ImportError as e:
+        fail(f"llama-server needs {e.name}: pip install 'llama-kv[server]'")
+
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+    port = sock.getsockname()[1]
+    name = model_name or (Path(str(ckpt_dir)).resolve().name if ckpt_dir is not None else DEFAULT_MODEL)
+    state = ServerState(model_id=name, api_key=api_key, log=_log)
+    server = _Server(create_app(state), shutdown_grace)
+    failure = []
+
+    def load():
+        try:
+            engine, line = _load(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_size,
+                                 prefill_chunk, max_waiting, no_kv_cache, device, dtype, quantize, quant_kernels, compile)
+            state.tokenizer, state.max_seq_len = engine.tokenizer, max_seq_len
+            state.vocab_size = engine.runner.model.vocab_size
+            state.engine = engine  # ready from here on
+            server.engine = engine
+            url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            print(f"llama-server: listening on {url} ({name}; {line})", file=sys.stderr, flush=True)
+        except BaseException as e:  # reported by the main thread, as every command reports it
+            failure.append(e)
+            server.should_exit = True
+
+    print(f"llama-server: loading {name} (GET /health answers 503 until it is ready)", file=sys.stderr, flush=True)
+    threading.Thread(target=load, name="llama-server-load", daemon=True).start()
+    server.run(sockets=[sock])
+    if failure:
+        raise failure[0]
+    if state.engine is not None:
+        state.engine.drain(0)
+    print("llama-server: stopped", file=sys.stderr, flush=True)
+
+
+def _load(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_size, prefill_chunk, max_waiting,
+          no_kv_cache, device, dtype, quantize, quant_kernels, compile):
+    """Build the model, the KV cache, the scheduler and the engine; returns the engine and a line describing them."""
+    from llama.server.engine import Engine
+    from llama.server.runner import Runner
+    from llama.server.scheduler import Scheduler
+
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, parallel, 1, device, dtype, False, quantize,
+                             quant_kernels)
+    if llama.info.world_size > 1:
+        raise LlamaError("llama-server runs in one process, not under torchrun")
+    model = llama.model
+    per_position = model.kv_cache_nbytes(1, 1)
+    positions = kv_cache_positions(kv_cache_size, per_position, parallel * max_seq_len)
+    num_blocks = -(-positions // block_size)
+    if no_kv_cache:
+        line = f"--parallel {parallel}, no KV cache: every step feeds each whole prefix"
+        num_blocks = 0
+    else:
+        nbytes = num_blocks * block_size * per_position
+        free = available_memory(model.device)
+        if free is not None and nbytes > free:
+            raise LlamaError(f"a KV cache of {num_blocks * block_size:,} tokens needs {nbytes / 2**30:.2f} GiB on "
+                             f"{model.device} but only {free / 2**30:.2f} GiB is available; lower --kv-cache-size")
+        line = (f"--parallel {parallel}, KV cache {num_blocks * block_size:,} tokens in {num_blocks:,} blocks of "
+                f"{block_size}, {nbytes / 2**20:,.1f} MiB")
+    if compile and not no_kv_cache:
+        print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first time "
+              "(ten on a busy 2-core machine), less once Inductor has it cached on disk", file=sys.stderr, flush=True)
+        line += "; decode step compiled"
+    scheduler = Scheduler(max(num_blocks, 1), block_size, parallel, prefill_chunk, kv_cache=not no_kv_cache)
+    runner = Runner(model, num_blocks, block_size, compile=compile and not no_kv_cache)
+    engine = Engine(llama.tokenizer, scheduler, runner, max_waiting, log=_log)
+    engine.start()
+    return engine, line
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _uvicorn_server():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, told to let the engine drain when asked to stop, and to exit 0 rather than re-raise the signal."""
+
+        def __init__(self, app, grace: float):
+            config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=int(grace) + 5)
+            super().__init__(config)
+            self.grace, self.engine = grace, None
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+        async def on_tick(self, counter: int) -> bool:
+            stop = await super().on_tick(counter)
+            if stop and self.engine is not None:
+                print("llama-server: stopping: no new requests; those in flight get "
+                      f"{self.grace:g} s to finish", file=sys.stderr, flush=True)
+                self.engine.stop_accepting(self.grace)
+                self.engine = None
+            return stop
+
+    return Server
+
+
+def _Server(app, grace: float):
+    return _uvicorn_server()(app, grace)
+
+
+def cli() -> None:
+    # OpenMP's workers spin between parallel regions unless told to sleep, and the policy is read once, when torch
+    # loads it: too early for anything but the environment. A server shares its cores with its own HTTP thread
+    # and its clients, and there spinning workers starve the very threads they wait for: on the shared 2-core
+    # machine, one client got 2.7 tokens/s spinning against 8.3 sleeping, four clients 1.0 against 11.3
+    # (scripts/bench_server.py, docs/benchmarks.md). So, unless the variable is set, start again with it set.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.execv(sys.executable, [sys.executable, "-m", "llama.cli.server", *sys.argv[1:]])
+    run(main, "llama-server")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,354 @@
+"""The serving loop: requests in, one batched step after another, text and log-probabilities out.
+
+It joins the three rooms without letting them reach into each other. The HTTP layer hands in a `Job` (token
+ids and sampling settings, no HTTP) and is told what happens through the job's `emit` callback, from the
+loop's thread. The scheduler decides each step over `Sequence`s; the runner feeds `Row`s. Here a job
+becomes its sequences (one per choice), a scheduled piece becomes a row, a sampled token becomes text
+(llama/server/text.py) and a finish reason.
+"""
+
+import random
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
+
+import torch
+
+from llama.server.runner import Result, Row, Runner, Sampler
+from llama.server.scheduler import Scheduler, Sequence
+from llama.server.text import TextState
+
+
+class Unavailable(Exception):
+    """The engine takes no more work now: its queue is full, or it is shutting down."""
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: Optional[float]  # None: the first prompt token, which nothing predicts
+    top: List[Tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """New text of one choice, the log-probabilities of the tokens behind it, and its end when it has one."""
+
+    index: int
+    text: str = ""
+    logprobs: List[TokenLogprob] = field(default_factory=list)
+    finish_reason: Optional[str] = None  # "stop" or "length" on a choice's last delta
+
+
+@dataclass
+class PromptLogprobs:
+    """The log-probability of every prompt token given the ones before it (for completions' echo)."""
+
+    index: int
+    logprobs: List[TokenLogprob]
+
+
+@dataclass
+class Done:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Failed:
+    message: str
+    status: int = 500
+
+
+Event = object  # Delta | PromptLogprobs | Done | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    """One prompt and how to continue it `n` times; what happens is told to `emit`, from the engine's thread.
+
+    `seed` makes sampling reproducible whatever else runs: choice i draws from its own generator, seeded
+    with seed + i. `logprobs` None reports none; k reports each token's and the k likeliest alternatives'.
+    """
+
+    prompt: List[int]
+    max_tokens: int
+    emit: Callable[[Event], None]
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop: Seq[str] = ()
+    logprobs: Optional[int] = None
+    echo_logprobs: bool = False
+    ignore_eos: bool = False  # stop tokens do not end it: it runs to max_tokens (benchmarks)
+    text_context: bool = False  # decode completions after the prompt's last tokens (keeps a leading space)
+    sequences: List[Sequence] = field(default_factory=list)
+    remaining: int = 0
+
+
+@dataclass(eq=False)
+class _Choice:
+    job: Job
+    index: int
+    text: TextState
+    sampler: Sampler
+    pending: List[TokenLogprob] = field(default_factory=list)
+
+
+class Engine:
+    """Runs the scheduler and the runner in a thread of its own, one step after another.
+
+    Args:
+        tokenizer: the model's tokenizer (for the stop tokens and the text).
+        scheduler: decides each step.
+        runner: runs it.
+        max_waiting: jobs that may wait for room before `submit` refuses more.
+        log: told a line (with its traceback) when something fails inside the loop; the server goes on.
+    """
+
+    def __init__(self, tokenizer, scheduler: Scheduler, runner: Runner, max_waiting: int = 64,
+                 log: Callable[[str], None] = lambda line: None):
+        self.tokenizer, self.scheduler, self.runner, self.log = tokenizer, scheduler, runner, log
+        self.stop_ids = set(tokenizer.stop_ids)
+        self.max_waiting = max_waiting
+        self._inbox: Deque[Tuple[str, Job]] = deque()
+        self._wake = threading.Condition()
+        self._choices: Dict[Sequence, _Choice] = {}
+        self._accepting = True
+        self._deadline: Optional[float] = None  # when draining: jobs still running then are ended
+        self._thread: Optional[threading.Thread] = None
+        # Counters for /metrics.
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.preemptions_total = 0
+        self.steps_total = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="llama-server-engine", daemon=True)
+        self._thread.start()
+
+    def check(self, prompt_len: int, max_tokens: int) -> Optional[str]:
+        """Why a prompt of `prompt_len` tokens continued by up to `max_tokens` could never run, or None."""
+        return self.scheduler.check_fits(prompt_len, max_tokens)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (from any thread).
+
+        Raises:
+            Unavailable: the queue is full or the engine is shutting down.
+            ValueError: the job could never fit the KV cache (`check` says why).
+        """
+        reason = self.check(len(job.prompt), job.max_tokens)
+        if reason is not None:
+            raise ValueError(reason)
+        with self._wake:
+            if not self._accepting:
+                raise Unavailable("the server is shutting down")
+            if self.waiting_jobs() >= self.max_waiting:
+                raise Unavailable(f"the server is busy: its queue of {self.max_waiting} waiting requests is full; "
+                                  "try again later")
+            self._inbox.append(("submit", job))
+            self._wake.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (its client left): its sequences leave the batch at the next step."""
+        with self._wake:
+            self._inbox.append(("cancel", job))
+            self._wake.notify()
+
+    def waiting_jobs(self) -> int:
+        """Jobs queued and not yet running (callable from any thread)."""
+        choices = [self._choices.get(s) for s in list(self.scheduler.waiting)]
+        waiting = {id(c.job) for c in choices if c is not None}
+        return len(waiting) + sum(1 for kind, _ in list(self._inbox) if kind == "submit")
+
+    def stop_accepting(self, grace: float) -> None:
+        """Take no new jobs; end those still running after `grace` seconds (from any thread, at once)."""
+        with self._wake:
+            self._accepting = False
+            deadline = time.monotonic() + grace
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+            self._wake.notify()
+
+    def drain(self, grace: float) -> None:
+        """`stop_accepting`, then return when the loop has stopped."""
+        self.stop_accepting(grace)
+        if self._thread is not None:
+            self._thread.join()
+
+    # The loop, in the engine's thread.
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                if self._iterate():
+                    return
+            except Exception as e:  # a bug here must not stop the server: the jobs in flight end, the loop goes on
+                self._report("the serving loop failed", e)
+                for job in {id(c.job): c.job for c in self._choices.values()}.values():
+                    try:
+                        self._fail(job, Failed(f"the server failed on this request: {type(e).__name__}"))
+                    except Exception as again:
+                        self._report("ending a request failed too", again)
+                        job.emit(Failed(f"the server failed on this request: {type(e).__name__}"))
+
+    def _iterate(self) -> bool:
+        """One turn of the loop: take what came in, run a step; True when the loop should end."""
+        with self._wake:
+            while not self._inbox and not self.scheduler.has_work and self._accepting:
+                self._wake.wait()
+            inbox, self._inbox = list(self._inbox), deque()
+        for kind, job in inbox:
+            if kind == "cancel":
+                self._cancel(job)
+                continue
+            try:
+                self._add(job)
+            except Exception as e:
+                self._report("a request could not be queued", e)
+                self._fail(job, Failed(f"the server could not queue this request: {type(e).__name__}: {e}"))
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            for job in {id(c.job): c.job for c in self._choices.values()}.values():
+                self._fail(job, Failed("the server shut down before this request finished", 503))
+        if not self._accepting and not self.scheduler.has_work and not self._inbox:
+            return True
+        if self.scheduler.has_work:
+            self._step()
+        return False
+
+    def _report(self, what: str, e: Exception) -> None:
+        self.log(f"llama-server: {what}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)).rstrip())
+
+    def _add(self, job: Job) -> None:
+        if not self._accepting:
+            job.emit(Failed("the server is shutting down", 503))
+            return
+        first = None
+        for i in range(job.n):
+            seq = Sequence(job.prompt, prompt_logprobs=job.echo_logprobs and i == 0, after=first)
+            first = first or seq
+            seed = (job.seed + i) % 2**64 if job.seed is not None else random.getrandbits(63)
+            generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+            context = job.prompt if job.text_context else ()
+            self._choices[seq] = _Choice(job, i, TextState(self.tokenizer, job.stop, context),
+                                         Sampler(job.temperature, job.top_p, generator, job.logprobs))
+            job.sequences.append(seq)
+            self.scheduler.add(seq)
+        job.remaining = job.n
+        self.prompt_tokens_total += len(job.prompt)
+
+    def _cancel(self, job: Job) -> None:
+        for seq in job.sequences:
+            if seq in self._choices:
+                self.scheduler.abort(seq)
+                del self._choices[seq]
+
+    def _fail(self, job: Job, failure: Failed) -> None:
+        self._cancel(job)
+        job.emit(failure)
+
+    def _step(self) -> None:
+        step = self.scheduler.schedule()
+        self.preemptions_total += len(step.preempted)
+        if not step:  # everything left waits on something this step did not bring (cannot last)
+            time.sleep(0.001)
+            return
+        rows = [self._row(p) for p in step.pieces]
+        try:
+            results = self.runner.step(step.copies, rows)
+        except Exception as e:  # one bad step ends the jobs in it, never the server
+            self._report("a step failed", e)
+            # Ended before `update`, so that nothing this step half-wrote is entered in the prefix tree.
+            for job in {id(p.seq): self._choices[p.seq].job for p in step.pieces if p.seq in self._choices}.values():
+                self._fail(job, Failed(f"the model failed on this request: {e}"))
+            self.scheduler.update(step)
+            return
+        self.steps_total += 1
+        self.scheduler.update(step)
+        for piece, result in zip(step.pieces, results):
+            if piece.seq in self._choices:
+                self._absorb(piece, result)
+
+    def _row(self, piece) -> Row:
+        seq = piece.seq
+        end = piece.start + piece.n
+        # Echoed prompt log-probabilities: each fed prompt token scores the prompt token after it.
+        scored = seq.tokens[piece.start + 1 : min(end + 1, seq.prompt_len)] if piece.all_logits else []
+        sampler = self._choices[seq].sampler
+        return Row(seq.tokens[piece.start : end], piece.start, list(seq.blocks), scored, sampler.top_logprobs or 0,
+                   sampler if piece.sample else None)
+
+    def _absorb(self, piece, result: Result) -> None:
+        seq = piece.seq
+        choice = self._choices[seq]
+        if piece.all_logits and seq.prompt_logprobs:
+            # The first prompt token has no log-probability; each piece of a long prompt adds the next ones.
+            head = [TokenLogprob(seq.tokens[0], None)] if piece.start == 0 else []
+            scored = seq.tokens[piece.start + 1 : piece.start + 1 + len(result.fed_logprobs)]
+            fed = [TokenLogprob(t, lp, top) for t, (lp, top) in zip(scored, result.fed_logprobs)]
+            choice.job.emit(PromptLogprobs(choice.index, head + fed))
+            if piece.start + piece.n >= seq.prompt_len:
+                seq.prompt_logprobs = False
+        if result.token is None:
+            return
+        token = result.token
+        seq.append(token)
+        self.generation_tokens_total += 1
+        n_generated = len(seq.generated)
+        if token in self.stop_ids and not choice.job.ignore_eos:
+            self._end(seq, choice, choice.text.finish(), "stop")
+            return
+        if choice.job.logprobs is not None:
+            choice.pending.append(TokenLogprob(token, result.logprob, result.top))
+        text, stopped = choice.text.push(token)
+        if stopped:
+            self._end(seq, choice, text, "stop")
+        elif n_generated >= choice.job.max_tokens:
+            self._end(seq, choice, text + choice.text.finish(), "length")
+        elif text:
+            choice.job.emit(Delta(choice.index, text, choice.pending))
+            choice.pending = []
+
+    def _end(self, seq: Sequence, choice: _Choice, text: str, reason: str) -> None:
+        self.scheduler.finish(seq)
+        del self._choices[seq]
+        job = choice.job
+        job.emit(Delta(choice.index, text, choice.pending, reason))
+        choice.pending = []
+        job.remaining -= 1
+        if job.remaining == 0:
+            first = job.sequences[0]
+            job.emit(Done(len(job.prompt), sum(len(s.generated) for s in job.sequences), first.cached_tokens or 0))
+
+    def stats(self) -> Dict[str, float]:
+        """Gauges and counters for /metrics."""
+        s = self.scheduler
+        pool = s.pool
+        out = {
+            "requests_running": len({id(self._choices[q].job) for q in list(s.running) if q in self._choices}),
+            "requests_waiting": self.waiting_jobs(),
+            "sequences_running": len(s.running),
+            "sequences_waiting": len(s.waiting),
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "prefix_cache_reused_tokens_total": s.prefix_tokens_reused,
+            "preemptions_total": self.preemptions_total,
+            "steps_total": self.steps_total,
+        }
+        if pool is not None:
+            per_block = self.runner.cache.nbytes // pool.num_blocks
+            out.update({
+                "cache_block_size": pool.block_size,
+                "cache_blocks_total": pool.num_blocks,
+                "cache_blocks_used": pool.used,
+                "cache_blocks_free": pool.available,
+                "cache_blocks_cached": len(pool.evictable),
+                "cache_bytes_used": pool.used * per_block,
+                "cache_bytes_free": pool.available * per_block,
+            })
+        return out

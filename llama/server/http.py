@@ -1,0 +1,417 @@
+"""The HTTP room: OpenAI's routes on Starlette, requests checked, answered and streamed, and never a tensor touched.
+
+A request is checked (llama/server/openai_api.py), becomes one engine job per prompt, and is answered
+from the job's events: whole, or as Server-Sent Events while they come. A client that leaves cancels its
+jobs at once, streaming or not. Every error leaves in OpenAI's one shape; nothing a client sends can
+show it a traceback or stop the server from serving the next request.
+"""
+
+import asyncio
+import hmac
+import json
+import time
+import traceback
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs, Unavailable
+from llama.server.openai_api import (
+    ApiError, Params, chat_logprobs, check_lengths, completion_logprobs, error_body, new_id, now, parse_chat,
+    parse_completion, usage,
+)
+
+_GONE = object()  # put on a request's event queue when its client disconnects
+
+
+class ClientGone(Exception):
+    pass
+
+
+@dataclass
+class ServerState:
+    """What the routes need: the engine once the model is loaded, and what describes the model."""
+
+    model_id: str
+    api_key: Optional[str] = None
+    engine: Optional[Engine] = None
+    tokenizer: Any = None
+    max_seq_len: int = 0
+    vocab_size: int = 0
+    created: int = field(default_factory=now)
+    log: Callable[[str], None] = field(default=lambda line: None)  # one line per request, and failures
+
+
+def create_app(state: ServerState):
+    """The ASGI application: routes, the API key check, and one log line per request."""
+    routes = [
+        Route("/health", partial(_health, state), methods=["GET"]),
+        Route("/metrics", _endpoint(state, _metrics), methods=["GET"]),
+        Route("/v1/models", _endpoint(state, _models), methods=["GET"]),
+        Route("/v1/chat/completions", _endpoint(state, _chat), methods=["POST"]),
+        Route("/v1/completions", _endpoint(state, _completions), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    return _LogRequests(_CheckKey(app, state), state)
+
+
+# Routes.
+
+async def _health(state: ServerState, request: Request) -> Response:
+    if state.engine is None:
+        return _error(ApiError(503, "the model is still loading", code="model_loading"))
+    return JSONResponse({"status": "ok"})
+
+
+async def _models(state: ServerState, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "llama-kv",
+         "max_model_len": state.max_seq_len}]})
+
+
+async def _metrics(state: ServerState, request: Request) -> Response:
+    lines = []
+    for name, value in state.engine.stats().items():
+        kind = "counter" if name.endswith("_total") else "gauge"
+        lines += [f"# HELP llama_kv_{name} {_METRIC_HELP.get(name, name.replace('_', ' '))}",
+                  f"# TYPE llama_kv_{name} {kind}", f"llama_kv_{name} {value}"]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+async def _chat(state: ServerState, request: Request) -> Response:
+    params = parse_chat(await _json(request), state.tokenizer)
+    check_lengths(params, state.max_seq_len, "messages")
+    run = _Run(state, params, request, chat=True)
+    rid, created = new_id("chatcmpl"), now()
+    if params.stream:
+        return _EventStream(run, _chat_chunks(state, run, params, rid, created))
+    texts, logprobs, reasons = await _collect(run, params.n)
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": chat_logprobs(state.tokenizer, logprobs[i]) if params.logprobs is not None else None,
+                "finish_reason": reasons[i]} for i in range(params.n)]
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_id,
+                         "system_fingerprint": None, "choices": choices, "usage": run.usage()})
+
+
+async def _completions(state: ServerState, request: Request) -> Response:
+    params = parse_completion(await _json(request), state.tokenizer, state.vocab_size)
+    check_lengths(params, state.max_seq_len, "prompt")
+    run = _Run(state, params, request, chat=False)
+    rid, created = new_id("cmpl"), now()
+    if params.stream:
+        return _EventStream(run, _completion_chunks(state, run, params, rid, created))
+    texts, logprobs, reasons = await _collect(run, len(params.prompts) * params.n)
+    choices = []
+    for i in range(len(texts)):
+        head = params.prompt_texts[i // params.n] if params.echo else ""
+        lps = (run.prompt_logprobs.get(i // params.n, []) if params.echo else []) + logprobs[i]
+        choices.append({"index": i, "text": head + texts[i], "finish_reason": reasons[i],
+                        "logprobs": completion_logprobs(state.tokenizer, lps, 0, params.logprobs)
+                        if params.logprobs is not None else None})
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_id,
+                         "choices": choices, "usage": run.usage()})
+
+
+# A request's jobs and their events.
+
+class _Run:
+    """The engine jobs of one request (one per prompt, n choices each), and their events in this event loop."""
+
+    def __init__(self, state: ServerState, params: Params, request: Request, chat: bool):
+        self.state, self.params, self.request = state, params, request
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.jobs: List[Job] = []
+        self.done: Dict[int, Done] = {}
+        self.prompt_logprobs: Dict[int, list] = {}
+        self.watcher: Optional[asyncio.Task] = None
+        engine = state.engine
+        for k, prompt in enumerate(params.prompts):
+            room = state.max_seq_len - len(prompt)
+            reason = engine.check(len(prompt), params.max_tokens or 1)
+            if reason is not None:
+                raise ApiError(400, reason, "max_tokens" if params.max_tokens else ("messages" if chat else "prompt"),
+                               "kv_cache_too_small")
+            max_tokens = params.max_tokens or min(room, self._fits(engine, len(prompt), room))
+            self.jobs.append(Job(prompt, max_tokens, partial(self._emit, k), n=params.n, temperature=params.temperature,
+                                 top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
+                                 echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
+                                 ignore_eos=params.ignore_eos))
+        submitted = []
+        try:
+            for job in self.jobs:
+                engine.submit(job)
+                submitted.append(job)
+        except (Unavailable, ValueError) as e:
+            for job in submitted:
+                engine.cancel(job)
+            raise ApiError(503 if isinstance(e, Unavailable) else 400, str(e),
+                           code="server_busy" if isinstance(e, Unavailable) else "kv_cache_too_small") from None
+        self.watch()
+
+    @staticmethod
+    def _fits(engine: Engine, prompt_len: int, room: int) -> int:
+        """The longest reply the KV cache could hold after this prompt, up to `room`."""
+        low, high = 1, room
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if engine.check(prompt_len, mid) is None else (low, mid - 1)
+        return low
+
+    def _emit(self, k: int, event) -> None:  # from the engine's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (k, event))
+
+    def watch(self) -> None:
+        """Cancel the jobs as soon as the client disconnects, whatever the route is waiting for."""
+        async def wait():
+            while (await self.request.receive())["type"] != "http.disconnect":
+                pass
+            self.queue.put_nowait((_GONE, None))
+        self.watcher = asyncio.ensure_future(wait())
+
+    async def events(self) -> AsyncIterator:
+        """(job number, event) until every job is done.
+
+        Raises:
+            ClientGone: the client disconnected (its jobs are cancelled).
+            ApiError: the engine could not finish a job.
+        """
+        while len(self.done) < len(self.jobs):
+            k, event = await self.queue.get()
+            if k is _GONE:
+                self.request.scope["llama_kv.note"] = "client disconnected"
+                raise ClientGone()
+            if isinstance(event, Failed):
+                raise ApiError(event.status, event.message, code="server_error" if event.status == 500 else "shutting_down")
+            if isinstance(event, Done):
+                self.done[k] = event
+                self.request.scope["llama_kv.usage"] = self.usage()
+            elif isinstance(event, PromptLogprobs):
+                self.prompt_logprobs.setdefault(k, []).extend(event.logprobs)
+            yield k, event
+
+    def close(self) -> None:
+        """Cancel whatever is unfinished, and stop watching for the client."""
+        for k, job in enumerate(self.jobs):
+            if k not in self.done:
+                self.state.engine.cancel(job)
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    def usage(self) -> Dict[str, Any]:
+        done = list(self.done.values())
+        return usage(sum(d.prompt_tokens for d in done), sum(d.completion_tokens for d in done),
+                     sum(d.cached_tokens for d in done))
+
+
+async def _collect(run: _Run, n_choices: int):
+    """Every choice's text, log-probabilities and finish reason (choice j of prompt k is k * n + j)."""
+    texts, logprobs, reasons = [""] * n_choices, [[] for _ in range(n_choices)], [None] * n_choices
+    try:
+        async for k, event in run.events():
+            if isinstance(event, Delta):
+                i = k * run.params.n + event.index
+                texts[i] += event.text
+                logprobs[i] += event.logprobs
+                reasons[i] = event.finish_reason or reasons[i]
+    finally:
+        run.close()
+    return texts, logprobs, reasons
+
+
+async def _chat_chunks(state: ServerState, run: _Run, params: Params, rid: str, created: int):
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
+            "system_fingerprint": None}
+    extra = {"usage": None} if params.include_usage else {}
+
+    def chunk(index, delta, logprobs=None, finish_reason=None):
+        return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}], **extra}
+
+    for i in range(params.n):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for _, event in run.events():
+        if not isinstance(event, Delta):
+            continue
+        if event.text or event.logprobs:
+            lps = chat_logprobs(state.tokenizer, event.logprobs) if params.logprobs is not None else None
+            yield chunk(event.index, {"content": event.text}, lps)
+        if event.finish_reason:
+            yield chunk(event.index, {}, None, event.finish_reason)
+    if params.include_usage:
+        yield {**base, "choices": [], "usage": run.usage()}
+
+
+async def _completion_chunks(state: ServerState, run: _Run, params: Params, rid: str, created: int):
+    base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_id}
+    extra = {"usage": None} if params.include_usage else {}
+    offsets: Dict[int, int] = {}  # per choice: characters sent so far, and whether its echo went out
+
+    def chunk(index, text, logprobs, finish_reason=None):
+        logprobs = (completion_logprobs(state.tokenizer, logprobs, offsets.get(index, 0), params.logprobs)
+                    if params.logprobs is not None else None)
+        offsets[index] = offsets.get(index, 0) + len(text)
+        return {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                     "finish_reason": finish_reason}], **extra}
+
+    async for k, event in run.events():
+        if not isinstance(event, Delta):
+            continue
+        i = k * params.n + event.index
+        if params.echo and i not in offsets:  # the prompt goes first (its log-probabilities are all in by now)
+            yield chunk(i, params.prompt_texts[k], run.prompt_logprobs.get(k, []))
+        if event.text or event.logprobs or event.finish_reason:
+            yield chunk(i, event.text, event.logprobs, event.finish_reason)
+    if params.include_usage:
+        yield {**base, "choices": [], "usage": run.usage()}
+
+
+class _EventStream(Response):
+    """Server-Sent Events: one `data:` line per chunk, then `data: [DONE]`; an error ends it as an error event."""
+
+    def __init__(self, run: _Run, chunks: AsyncIterator[Dict[str, Any]]):
+        self.run, self.chunks = run, chunks
+        self.status_code, self.background = 200, None
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        try:
+            try:
+                async for payload in self.chunks:
+                    await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
+                tail = b"data: [DONE]\n\n"
+            except ApiError as e:
+                tail = _sse(e.body())
+            except Exception as e:  # never a traceback on the wire
+                _log_exception(self.run.state, e)
+                tail = _sse(error_body(f"internal error: {type(e).__name__}", "server_error"))
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        except (ClientGone, OSError):
+            pass  # the client left: nothing more to send, its jobs are cancelled below
+        finally:
+            await self.chunks.aclose()
+            self.run.close()
+
+
+def _sse(payload: Dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+# Errors, the API key, and the log.
+
+def _endpoint(state: ServerState, handler):
+    """A route that waits for the model, and turns every failure into OpenAI's error shape."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            if state.engine is None:
+                raise ApiError(503, "the model is still loading; try again when GET /health answers 200",
+                               code="model_loading")
+            return await handler(state, request)
+        except ApiError as e:
+            return _error(e)
+        except ClientGone:
+            return Response(status_code=499)  # nobody is there to read it
+        except Exception as e:
+            _log_exception(state, e)
+            return _error(ApiError(500, f"internal error: {type(e).__name__}; the server logged it"))
+    return endpoint
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 404:
+        message, code = f"Unknown request URL: {request.method} {request.url.path}.", "unknown_url"
+    elif exc.status_code == 405:
+        message, code = f"Method {request.method} is not allowed for {request.url.path}.", "method_not_allowed"
+    else:
+        message, code = str(exc.detail), None
+    return _error(ApiError(exc.status_code, message, code=code))
+
+
+async def _json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"We could not parse the JSON body of your request ({e}). The body must be valid JSON.",
+                       code="invalid_json") from None
+
+
+def _log_exception(state: ServerState, e: Exception) -> None:
+    state.log("llama-server: internal error:\n" + "".join(traceback.format_exception(e)).rstrip())
+
+
+class _CheckKey:
+    """With an API key, every path but /health needs `Authorization: Bearer KEY` (compared in constant time)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        key = self.state.api_key
+        if scope["type"] == "http" and key and scope["path"] != "/health":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            given = header[7:].strip() if header[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(given, key.encode()):
+                message = ("Incorrect API key provided." if given else
+                           "You didn't provide an API key: send it as 'Authorization: Bearer KEY'.")
+                return await _error(ApiError(401, message, code="invalid_api_key"))(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class _LogRequests:
+    """One line per request: method, path, status, tokens, time."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), []
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            u = scope.get("llama_kv.usage")
+            tokens = (f" prompt={u['prompt_tokens']} cached={u['prompt_tokens_details']['cached_tokens']} "
+                      f"completion={u['completion_tokens']}" if u else "")
+            note = f" ({scope['llama_kv.note']})" if "llama_kv.note" in scope else ""
+            self.state.log(f"llama-server: {scope['method']} {scope['path']} {status[0] if status else '-'}{tokens} "
+                           f"{time.perf_counter() - start:.3f}s{note}")
+
+
+_METRIC_HELP = {
+    "requests_running": "Requests with a sequence in the running batch.",
+    "requests_waiting": "Requests waiting for room in the batch or the KV cache.",
+    "sequences_running": "Sequences (choices) decoded or prefilled at each step.",
+    "sequences_waiting": "Sequences waiting, preempted ones included.",
+    "prompt_tokens_total": "Prompt tokens received.",
+    "generation_tokens_total": "Tokens generated.",
+    "prefix_cache_reused_tokens_total": "Prompt positions whose keys and values were reused from the cache, not computed.",
+    "preemptions_total": "Sequences preempted for want of KV blocks (recomputed later).",
+    "steps_total": "Batched model steps run.",
+    "cache_block_size": "Positions per KV-cache block.",
+    "cache_blocks_total": "KV-cache blocks in all.",
+    "cache_blocks_used": "KV-cache blocks held by running sequences.",
+    "cache_blocks_free": "KV-cache blocks free, or holding a cached prefix nobody holds.",
+    "cache_blocks_cached": "Free blocks still holding a prefix a later request may reuse.",
+    "cache_bytes_used": "Bytes of the KV cache held by running sequences.",
+    "cache_bytes_free": "Bytes of the KV cache not held.",
+}

@@ -1,0 +1,260 @@
+"""OpenAI's request and response shapes: parameters checked and turned into jobs, results turned into JSON.
+
+Plain Python, no HTTP and no tensors. Everything a client can get wrong is an `ApiError`, which is made
+into OpenAI's one error shape here and nowhere else: `{"error": {"message", "type", "param", "code"}}`.
+Unknown fields are ignored, as OpenAI's own server does for fields it does not use.
+"""
+
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from llama.chat_format import encode_dialog, has_special_tags
+from llama.errors import LlamaError
+from llama.server.engine import TokenLogprob
+from llama.server.text import token_bytes, token_text
+
+ROLES = ("system", "user", "assistant")
+
+
+class ApiError(Exception):
+    """A request the server will not run, with the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> Dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> Dict[str, Any]:
+    """OpenAI's error object: the one shape every error on the wire has."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class Params:
+    """What a request asks for, checked; the prompts as token ids."""
+
+    prompts: List[List[int]]
+    max_tokens: Optional[int]
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: Optional[int] = None
+    stop: List[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None  # None: none; k: the chosen token's and the k likeliest alternatives
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens through stop tokens
+    echo: bool = False
+    prompt_texts: List[str] = field(default_factory=list)  # completions' echo
+
+
+def parse_chat(body: Any, tokenizer) -> Params:
+    """A chat completion request: messages in the model's chat format, and the common parameters."""
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list of messages", "messages", "invalid_type")
+    dialog = [_message(m, i) for i, m in enumerate(messages)]
+    if has_special_tags(dialog, getattr(tokenizer, "chat_format", "llama2")):
+        raise ApiError(400, "messages may not contain the chat format's own tags", "messages", "invalid_value")
+    try:
+        prompt = encode_dialog(tokenizer, dialog)
+    except LlamaError as e:
+        raise ApiError(400, str(e), "messages", "invalid_value") from None
+    params = _common(body, [prompt])
+    if body.get("max_completion_tokens") is not None:
+        params.max_tokens = _integer(body, "max_completion_tokens", None, 1)
+    if _boolean(body, "logprobs", False):
+        params.logprobs = _integer(body, "top_logprobs", 0, 0, 20)
+    elif body.get("top_logprobs") is not None:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", "top_logprobs", "invalid_value")
+    return params
+
+
+def parse_completion(body: Any, tokenizer, vocab_size: int) -> Params:
+    """A completion request: a prompt as a string, a list of strings, token ids, or a list of those."""
+    body = _object(body)
+    prompts, texts = _prompts(body.get("prompt"), tokenizer, vocab_size)
+    params = _common(body, prompts)
+    params.prompt_texts = texts
+    params.echo = _boolean(body, "echo", False)
+    if body.get("logprobs") is not None:
+        params.logprobs = _integer(body, "logprobs", None, 0, 5)
+    return params
+
+
+def check_lengths(params: Params, max_seq_len: int, param: str) -> None:
+    """Refuse prompts that leave no room in the context, and replies asked to be longer than the room left."""
+    for prompt in params.prompts:
+        if len(prompt) >= max_seq_len:
+            raise ApiError(400, f"This model's maximum context length is {max_seq_len} tokens. However, your "
+                                f"{param} resulted in {len(prompt)} tokens, which leaves no room for a reply. "
+                                f"Please reduce the length of the {param}.", param, "context_length_exceeded")
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > max_seq_len:
+            raise ApiError(400, f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+                                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the {param}, "
+                                f"{params.max_tokens} in the completion). Please reduce the length of the {param} "
+                                "or completion.", param, "context_length_exceeded")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_logprobs(tokenizer, logprobs: List[TokenLogprob]) -> Dict[str, Any]:
+    """Chat's `logprobs` object: for each token, its text, bytes, log-probability and the likeliest alternatives."""
+    def entry(token: int, logprob: float) -> Dict[str, Any]:
+        return {"token": token_text(tokenizer, token), "logprob": logprob, "bytes": list(token_bytes(tokenizer, token))}
+    return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
+                        for x in logprobs]}
+
+
+def completion_logprobs(tokenizer, logprobs: List[TokenLogprob], offset: int, k: int) -> Dict[str, Any]:
+    """Completions' `logprobs` object; `offset` is where the first token's text starts in the choice's text."""
+    tokens, offsets = [], []
+    for x in logprobs:
+        text = token_text(tokenizer, x.token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    top = [None if x.logprob is None else {token_text(tokenizer, t): lp for t, lp in x.top} for x in logprobs]
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in logprobs],
+            "top_logprobs": top if k else None, "text_offset": offsets}
+
+
+# Checking the parts of a request.
+
+def _object(body: Any) -> Dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _message(m: Any, i: int) -> Dict[str, str]:
+    if not isinstance(m, dict):
+        raise ApiError(400, f"messages[{i}] must be an object with a role and content", "messages", "invalid_type")
+    role = "system" if m.get("role") == "developer" else m.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, not {m.get('role')!r}",
+                       "messages", "invalid_value")
+    content = m.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):  # content parts: only text ones
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"messages[{i}].content parts must all be text ({{'type': 'text', 'text': ...}})",
+                           "messages", "invalid_value")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
+    return {"role": role, "content": content}
+
+
+def _prompts(prompt: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]], List[str]]:
+    def ids(p: List[Any]) -> List[int]:
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p):
+            raise ApiError(400, f"token ids in 'prompt' must be whole numbers from 0 to {vocab_size - 1}", "prompt", "invalid_value")
+        return list(p)
+
+    def text(s: str) -> List[int]:
+        try:
+            return tokenizer.encode(s, bos=True, eos=False)
+        except LlamaError as e:
+            raise ApiError(400, str(e), "prompt", "invalid_value") from None
+
+    if isinstance(prompt, str):
+        prompts, texts = [text(prompt)], [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts, texts = [text(p) for p in prompt], list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        prompts = [ids(prompt)]
+        texts = [tokenizer.decode(prompts[0])]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [ids(p) for p in prompt]
+        texts = [tokenizer.decode(p) for p in prompts]
+    else:
+        raise ApiError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
+                       "prompt", "invalid_type")
+    if any(not p for p in prompts):
+        raise ApiError(400, "'prompt' must not be empty", "prompt", "invalid_value")
+    return prompts, texts
+
+
+def _common(body: Dict[str, Any], prompts: List[List[int]]) -> Params:
+    params = Params(prompts, _integer(body, "max_tokens", None, 1))
+    params.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    params.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    params.n = _integer(body, "n", 1, 1, 128)
+    params.seed = _integer(body, "seed", None, -2**63, 2**64 - 1)
+    params.stream = _boolean(body, "stream", False)
+    params.ignore_eos = _boolean(body, "ignore_eos", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
+    params.include_usage = bool(options and _boolean(options, "include_usage", False, "stream_options.include_usage"))
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of strings", "stop", "invalid_type")
+    params.stop = [s for s in (stop or []) if s]
+    return params
+
+
+def _number(body: Dict[str, Any], name: str, default: Optional[float], low: float, high: float) -> Optional[float]:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(400, f"Invalid type for '{name}': expected a number, but got {_kind(value)} instead.", name, "invalid_type")
+    if not low <= value <= high:
+        raise ApiError(400, f"Invalid '{name}': expected a value from {low:g} to {high:g}, but got {value} instead.",
+                       name, "invalid_value")
+    return float(value)
+
+
+def _integer(body: Dict[str, Any], name: str, default: Optional[int], low: int, high: Optional[int] = None) -> Optional[int]:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"Invalid type for '{name}': expected an integer, but got {_kind(value)} instead.", name, "invalid_type")
+    if value < low or (high is not None and value > high):
+        expected = f"at least {low}" if high is None else f"from {low} to {high}"
+        raise ApiError(400, f"Invalid '{name}': expected an integer {expected}, but got {value} instead.", name, "invalid_value")
+    return value
+
+
+def _boolean(body: Dict[str, Any], name: str, default: bool, param: Optional[str] = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"Invalid type for '{param or name}': expected a boolean, but got {_kind(value)} instead.",
+                       param or name, "invalid_type")
+    return value
+
+
+def _kind(value: Any) -> str:
+    return {str: "a string", bool: "a boolean", list: "an array", dict: "an object", int: "an integer",
+            float: "a decimal"}.get(type(value), type(value).__name__)

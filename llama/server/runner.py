@@ -1,0 +1,222 @@
+"""One step of the model for many rows at once: feed each row's tokens at its positions, sample its next token.
+
+The runner owns the model and the paged KV cache's tensors and knows nothing of requests: a row is token
+ids, the position of the first, the blocks that hold the row's keys and values, and how to sample. Rows
+feeding one token each (the decoding sequences) run as one batch, each at its own position; a row
+feeding a chunk of a prompt runs on its own. Without a KV cache each row feeds its whole prefix from
+position 0 through the model's plain path, as `Llama.generate(kv_cache=False)` does.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama.compile import RECOMPILE_LIMIT, quiet_inductor
+from llama.errors import LlamaError
+from llama.generation import sample
+from llama.linears import choose_layer_classes
+from llama.kv_cache import PagedKVCache
+from llama.model import Transformer
+
+
+@dataclass
+class Sampler:
+    """How a row's next token is chosen: `generation.sample` with its own generator, and what to report."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator
+    top_logprobs: Optional[int] = None  # None: no log-probabilities; k: the chosen token's and the k likeliest
+
+
+@dataclass
+class Row:
+    """Tokens fed at positions start .. start + len(tokens) - 1, reading and writing through `blocks`."""
+
+    tokens: List[int]
+    start: int
+    blocks: List[int] = field(default_factory=list)
+    # Tokens to score: the one after each fed token, where known (a prompt's); their log-probabilities are reported.
+    scored: List[int] = field(default_factory=list)
+    scored_top: int = 0  # and the likeliest this many alternatives at each
+    sampler: Optional[Sampler] = None  # None: nothing is sampled from this row
+
+    @property
+    def all_logits(self) -> bool:
+        return bool(self.scored)
+
+
+@dataclass
+class Result:
+    token: Optional[int] = None
+    logprob: Optional[float] = None
+    top: List[Tuple[int, float]] = field(default_factory=list)
+    # For each scored token: its log-probability and the likeliest alternatives at its position.
+    fed_logprobs: List[Tuple[float, List[Tuple[int, float]]]] = field(default_factory=list)
+
+
+class Runner:
+    """Batched forward steps of one model over a paged KV cache.
+
+    The runner takes the model over: with `compile` its layers become the compiled step's classes, and
+    eagerly its output matrix gains a row-major copy for many rows (`_ManyRowsOutput`).
+
+    Args:
+        model: the model, built and loaded.
+        num_blocks, block_size: the KV cache's blocks; num_blocks 0 runs without a cache.
+        compile: compile the decode step (llama-server --compile).
+    """
+
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, compile: bool = False):
+        self.model = model
+        self.device = model.device
+        self.cache = model.new_paged_kv_cache(num_blocks, block_size) if num_blocks > 0 else None
+        self.compiled = _compile(model, self.cache) if compile and self.cache is not None else None
+        if self.compiled is None and _ManyRowsOutput.suits(model.output):
+            model.output = _ManyRowsOutput(model.output)
+
+    @torch.inference_mode()
+    def step(self, copies: Sequence[Tuple[int, int, int]], rows: Sequence[Row]) -> List[Result]:
+        """Copy block prefixes, then feed every row; returns one result per row, in order.
+
+        Raises:
+            LlamaError: the model produced NaN or infinite logits.
+        """
+        for src, dst, n in copies:
+            self.cache.copy_prefix(src, dst, n)
+        results: List[Optional[Result]] = [None] * len(rows)
+        if self.cache is None:
+            for i, row in enumerate(rows):
+                tokens = torch.tensor([row.tokens], device=self.device)
+                results[i] = self._finish(row, self.model(tokens, 0, None, num_logits=None if row.all_logits else 1)[0])
+            return results
+        single = [i for i, row in enumerate(rows) if len(row.tokens) == 1 and not row.all_logits]
+        if single:
+            logits = self._forward([rows[i] for i in single])  # (len(single), 1, vocab)
+            for j, i in enumerate(single):
+                results[i] = self._finish(rows[i], logits[j])
+        for i, row in enumerate(rows):
+            if results[i] is None:
+                results[i] = self._finish(row, self._forward([row])[0])
+        return results
+
+    def _forward(self, rows: Sequence[Row]) -> torch.Tensor:
+        """Logits of rows that feed the same number of tokens, each at its positions: (len(rows), n, vocab),
+        or only the last position's when no row wants them all."""
+        n = len(rows[0].tokens)
+        all_logits = any(row.all_logits for row in rows)
+        # Prompt chunks run eagerly, as llama/compile.py runs prompts: their lengths vary too much to compile.
+        compiled = self.compiled is not None and n == 1 and not all_logits
+        # A compiled step would specialise on a table one block wide: pad to two (the padding is masked).
+        width = max([len(row.blocks) for row in rows] + [2 if compiled else 1])
+        tables = torch.tensor([row.blocks + [row.blocks[0]] * (width - len(row.blocks)) for row in rows], device=self.device)
+        tokens = torch.tensor([row.tokens for row in rows], device=self.device)
+        input_pos = torch.tensor([[row.start + k for k in range(n)] for row in rows], device=self.device)
+        if compiled:
+            return self.compiled(tokens, input_pos, tables)
+        caches = self.cache.for_step(tables, input_pos)
+        return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=None if all_logits else 1)
+
+    def _finish(self, row: Row, logits: torch.Tensor) -> Result:
+        """Sample from a row's last logits, and the log-probabilities asked for. `logits`: (positions, vocab)."""
+        result = Result()
+        if row.all_logits:
+            logprobs = torch.log_softmax(logits[: len(row.scored)], dim=-1)
+            targets = torch.tensor(row.scored, device=self.device)
+            chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            tops = _top(logprobs, row.scored_top) if row.scored_top else [[] for _ in chosen]
+            result.fed_logprobs = list(zip(chosen, tops))
+        sampler = row.sampler
+        if sampler is None:
+            return result
+        last = logits[-1:]
+        if not torch.isfinite(last).all():
+            raise LlamaError(f"the model produced NaN or infinite logits at position {row.start + len(row.tokens) - 1}; "
+                             "the weights may be corrupt, or the dtype may overflow (try --dtype float32)")
+        result.token = int(sample(last, sampler.temperature, sampler.top_p, sampler.generator)[0])
+        if sampler.top_logprobs is not None:
+            logprobs = torch.log_softmax(last, dim=-1)
+            result.logprob = float(logprobs[0, result.token])
+            result.top = _top(logprobs, sampler.top_logprobs)[0] if sampler.top_logprobs else []
+        return result
+
+
+class _ManyRowsOutput(nn.Module):
+    """The output matrix laid out twice: as loaded for one row, and row-major for the server's many rows.
+
+    The model stores its wide matrices input-major, where MKL's one-row product is twice as fast; for 2-16
+    rows MKL's `F.linear` on that layout is several times slower than `torch.mm(W, x.T)` on a row-major copy
+    (8 rows of the default model's 49152 x 576 output: 46-50 ms against 20; a whole 8-row decode step 298 ->
+    237 ms, docs/benchmarks.md). The output matrix is the one where this shows, and it costs one more copy of
+    it (113 MB for the default model). Same weights, same state_dict; logits within float rounding.
+    """
+
+    def __init__(self, layer: nn.Linear):
+        super().__init__()
+        self.weight = layer.weight
+        self.register_buffer("row_major", layer.weight.detach().contiguous(), persistent=False)
+
+    @staticmethod
+    def suits(layer: nn.Module) -> bool:
+        """A float32 nn.Linear on the CPU, stored input-major (the eager one-row layout)."""
+        return (type(layer) is nn.Linear and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+                and not layer.weight.is_contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # (rows, dim)
+        if rows.shape[0] == 1:
+            return F.linear(x, self.weight)
+        return torch.mm(self.row_major, rows.t()).t().reshape(*x.shape[:-1], -1)  # (..., vocab)
+
+
+# Batch sizes at which the compiled step is built before serving: one graph each for 1 row, 2-4 rows and 5 or
+# more (the compiled linear layers compute up to 4 rows as reductions, more with a matrix product), each with a
+# block-table width unlike its batch size (two dimensions first seen at one size would share one symbol, and
+# the first step where they differ would compile again: minutes on a CPU).
+_WARM_UP = ((1, 3), (2, 3), (5, 4))
+
+
+def _compile(model: Transformer, cache: PagedKVCache) -> Callable:
+    """The decode step (one token per row, rows at their own positions) through torch.compile, compiled now.
+
+    A function of plain tensors (tokens, positions, block tables), so that batch size and table width are
+    symbolic and no step met while serving compiles anything again (tested). The layers become the compiled
+    path's classes and float weights are laid out row-major, as `Llama.build(compile=True)` does for its step.
+
+    Raises:
+        LlamaError: torch.compile could not build the step (on the CPU it needs a C++ compiler).
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
+            module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
+    choose_layer_classes(model, compiled=True)
+
+    def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        return model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
+
+    dynamo_compiled = torch.compile(decode, dynamic=True, fullgraph=True)
+
+    def compiled(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # one limit for the whole process
+            return dynamo_compiled(tokens, input_pos, tables)
+
+    quiet_inductor()
+    try:
+        with torch.inference_mode():
+            for bsz, width in _WARM_UP:  # block 0's first position is scratch until a sequence takes the block
+                zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=model.device)  # noqa: E731
+                compiled(zeros(bsz, 1), zeros(bsz, 1), zeros(bsz, width))  # three tensors: one would be guarded on
+    except Exception as e:  # Inductor fails in many ways (no compiler, a bad toolchain)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LlamaError(f"compile=True failed: torch.compile could not build the server's step ({reason}); "
+                         "run without compile=True") from e
+    return compiled
+
+
+def _top(logprobs: torch.Tensor, k: int) -> List[List[Tuple[int, float]]]:
+    """The k likeliest tokens at each position of (positions, vocab) log-probabilities."""
+    values, ids = torch.topk(logprobs, k, dim=-1)
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

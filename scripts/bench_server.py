@@ -1,0 +1,222 @@
+"""llama-server under N concurrent chat clients, against llama.cpp's own llama-server on the same weights.
+
+    python scripts/bench_server.py [--clients 1,4,8,16] [--requests 4] [--threads 2] [--parallel 16]
+        [--compile] [--ours-only] [--cache-dir DIR] [--json-file FILE]
+
+Each client sends --requests chat requests one after another, streamed: a system prompt shared with other
+clients (one of three) and a question of mixed length (short, medium, long), asking for a mixed number of
+tokens (32 to 128) with `ignore_eos`, greedy, so both servers generate exactly the same counts. For each
+number of clients it reports, over all requests, time to first token (TTFT: request sent to the first
+content) and time per output token after it (TPOT), p50 and p99, and total generated tokens/s over the
+run's wall time.
+
+Ours runs the default model (SmolLM2-135M-Instruct) in float32 with OMP_NUM_THREADS=--threads (and, as
+llama-server always does unless told otherwise, OMP_WAIT_POLICY=PASSIVE), eagerly or with --compile. llama.cpp's
+server is built here, once, into --cache-dir from the vendored tree of the llama-cpp-python source
+distribution (the version llama-download pins; cmake and a C++ compiler needed; nothing of it enters this
+repository), and runs an F32 GGUF that its own llama-quantize makes from the shipped Q4_1 file: exactly
+the dequantized values our checkpoint holds. Same threads, same --parallel slots, a context of
+--max-seq-len per slot, each server with its own defaults otherwise, in the same run, one server at a time.
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import fire
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+SYSTEMS = [
+    "You are a helpful assistant. Answer briefly and precisely, in plain English.",
+    "You are a patient teacher of history. Explain causes and consequences, with dates where they help, "
+    "and end with one question that makes the student think further about the period.",
+    "You are a senior Python reviewer. Point out bugs first, then style, and suggest the smallest change "
+    "that fixes each problem you find.",
+]
+QUESTIONS = [
+    "What is a list?",
+    "Why did the Roman Empire split into two halves, and what happened to each of them afterwards?",
+    "Here is my function: def mean(xs): return sum(xs) / len(xs). It fails on some inputs and I do not know "
+    "which ones or why. What would you change, how would you test it, and what would you name the tests?",
+]
+MAX_TOKENS = [32, 64, 96, 128]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server at {url} exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server at {url} was not ready after {timeout:.0f} s")
+
+
+def start_ours(ckpt_dir: Optional[str], threads: int, parallel: int, max_seq_len: int, compile: bool) -> subprocess.Popen:
+    port = free_port()
+    cmd = [sys.executable, "-m", "llama.cli.server", "--port", str(port), "--parallel", str(parallel),
+           "--max-seq-len", str(max_seq_len)] + (["--ckpt-dir", ckpt_dir] if ckpt_dir else []) + (["--compile"] if compile else [])
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.url = f"http://127.0.0.1:{port}"
+    return proc
+
+
+def build_llama_cpp(cache_dir: Path, threads: int) -> Path:
+    """llama.cpp's tools (llama-server, llama-quantize), built once from the llama-cpp-python sdist's vendored tree."""
+    from llama.convert.llama2_vocab import SDIST_REQUIREMENT
+    from llama.pip_fetch import pip_download
+
+    bin_dir = cache_dir / "build" / "bin"
+    if (bin_dir / "llama-server").exists() and (bin_dir / "llama-quantize").exists():
+        return bin_dir
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise SystemExit(f"building llama.cpp's server needs {tool}; install it or pass --ours-only")
+    src = cache_dir / "src"
+    if not (src / "CMakeLists.txt").exists():
+        print(f"fetching {SDIST_REQUIREMENT} (the source of llama.cpp's server) ...", file=sys.stderr, flush=True)
+        sdist = pip_download(SDIST_REQUIREMENT, cache_dir / "download", "sdist")
+        with tarfile.open(sdist) as archive:
+            archive.extractall(cache_dir / "unpacked", filter="data")
+        vendored = next((cache_dir / "unpacked").glob("*/vendor/llama.cpp"))
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.move(str(vendored), src)
+    print("building llama.cpp's llama-server and llama-quantize (minutes) ...", file=sys.stderr, flush=True)
+    build = cache_dir / "build"
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(threads)],
+                   check=True)
+    return bin_dir
+
+
+def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int) -> Path:
+    """The default model as an F32 GGUF, dequantized from the shipped Q4_1 file by llama.cpp's own quantizer."""
+    from llama.download import default_model_gguf
+
+    source = default_model_gguf()
+    out = cache_dir / f"{source.stem.split('.')[0]}.F32.gguf"
+    if not out.exists():
+        partial = out.with_suffix(".partial")
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--pure", str(source), str(partial),
+                        "F32", str(threads)], check=True, stdout=subprocess.DEVNULL)
+        partial.rename(out)
+    return out
+
+
+def start_llama_cpp(bin_dir: Path, gguf: Path, threads: int, parallel: int, max_seq_len: int) -> subprocess.Popen:
+    port = free_port()
+    cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * max_seq_len),
+           "--jinja", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.url = f"http://127.0.0.1:{port}"
+    return proc
+
+
+async def one_request(client: httpx.AsyncClient, url: str, k: int) -> Dict[str, float]:
+    """One streamed chat request; its time to first token, time per output token and tokens."""
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+            "ignore_eos": True, "max_tokens": MAX_TOKENS[k % len(MAX_TOKENS)],
+            "messages": [{"role": "system", "content": SYSTEMS[k % len(SYSTEMS)]},
+                         {"role": "user", "content": QUESTIONS[(k // len(SYSTEMS)) % len(QUESTIONS)]}]}
+    start = time.perf_counter()
+    first = last = None
+    chunks, tokens = 0, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            if payload.get("usage"):
+                tokens = payload["usage"]["completion_tokens"]
+            for choice in payload.get("choices") or []:
+                if (choice.get("delta") or {}).get("content"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    chunks += 1
+    tokens = tokens or chunks
+    return {"ttft": (first or time.perf_counter()) - start,
+            "tpot": (last - first) / (tokens - 1) if first and tokens > 1 else 0.0, "tokens": tokens}
+
+
+async def load(url: str, clients: int, requests: int) -> Dict[str, float]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        async def run_client(c: int) -> List[Dict[str, float]]:
+            return [await one_request(client, url, c * requests + i) for i in range(requests)]
+
+        start = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(run_client(c) for c in range(clients))) for r in rs]
+        wall = time.perf_counter() - start
+    ttft, tpot = [r["ttft"] for r in results], [r["tpot"] for r in results]
+    return {"clients": clients, "requests": len(results), "tokens": sum(r["tokens"] for r in results),
+            "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99)}
+
+
+def _pct(values: List[float], p: float) -> float:
+    values = sorted(values)
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
+
+
+def measure(name: str, proc: subprocess.Popen, clients: List[int], requests: int) -> List[Dict[str, float]]:
+    try:
+        wait_ready(proc.url, proc)
+        asyncio.run(load(proc.url, 1, 1))  # warm-up
+        rows = []
+        for n in clients:
+            row = {"server": name, **asyncio.run(load(proc.url, n, requests))}
+            print(f"{name:18s} {n:3d} clients: {row['tokens_per_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50'] * 1000:7.0f} ms "
+                  f"p99 {row['ttft_p99'] * 1000:7.0f} ms  TPOT p50 {row['tpot_p50'] * 1000:6.1f} ms "
+                  f"p99 {row['tpot_p99'] * 1000:6.1f} ms", flush=True)
+            rows.append(row)
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main(clients="1,4,8,16", requests: int = 4, threads: int = 2, parallel: int = 16, max_seq_len: int = 512,
+         ckpt_dir: str = None, compile: bool = False, ours_only: bool = False, cache_dir: str = None,
+         json_file: str = None):
+    """Measure llama-server, and llama.cpp's server unless --ours-only; see the module docstring."""
+    # fire reads "1,4,8" as a tuple, "8" as a number.
+    counts = [int(c) for c in (clients if isinstance(clients, (tuple, list)) else str(clients).split(","))]
+    cache = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-kv-bench-server"
+    name = "llama-kv" + (" compiled" if compile else "")
+    rows = measure(name, start_ours(ckpt_dir, threads, parallel, max_seq_len, compile), counts, requests)
+    if not ours_only:
+        bin_dir = build_llama_cpp(cache, threads)
+        gguf = f32_gguf(bin_dir, cache, threads)
+        rows += measure("llama.cpp", start_llama_cpp(bin_dir, gguf, threads, parallel, max_seq_len), counts, requests)
+    if json_file:
+        Path(json_file).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    fire.Fire(main)

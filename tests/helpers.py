@@ -1,0 +1,307 @@
+"""What several test files share: tiny random checkpoints, building them, and running the commands.
+
+Test files import these names (`from helpers import build, generate`); conftest.py holds only the fixtures.
+
+Every tiny model's weights come from a seed. `LLAMA_TEST_SEED=N` adds N to every seed, so a run draws other
+weights, as a newer torch's random number generation does: a test that passes only for the weights one torch
+happens to draw shows itself then.
+"""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import torch
+
+from llama import Llama
+from llama.checkpoint import params_dict, save_checkpoint
+from llama.model import ModelArgs
+from llama.random_weights import random_state_dict, write_random_checkpoint
+from llama.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE_TOKENIZER = REPO / "tokenizer.model.example"
+# The console scripts installed beside this Python.
+BIN = Path(sys.executable).parent
+# torchrun as a module of this Python: a virtual environment that takes torch from the system's site-packages
+# has no torchrun script of its own.
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+PROMPT = "I believe the meaning of life is"
+
+# Multi-head, grouped-query and multi-query attention: n_heads / n_kv_heads = 1, 4 and 4 (down to 1 KV head).
+ATTENTION_SHAPES = {
+    "mha": {"n_heads": 4, "n_kv_heads": 4},
+    "gqa": {"n_heads": 8, "n_kv_heads": 2},
+    "mqa": {"n_heads": 4, "n_kv_heads": 1},
+}
+
+# A large init scale makes the tiny models' next-token distributions peaked, so greedy decoding is not
+# decided by near-ties that float rounding could flip.
+TEST_STD = 0.1
+
+SEED_OFFSET = int(os.environ.get("LLAMA_TEST_SEED", "0"))
+
+
+def tiny_args(kind: str = "gqa", **overrides) -> ModelArgs:
+    fields = dict(dim=64, n_layers=2, vocab_size=4000, multiple_of=32, norm_eps=1e-5, max_seq_len=64, max_batch_size=8)
+    fields.update(ATTENTION_SHAPES[kind])
+    fields.update(overrides)
+    return ModelArgs(**fields)
+
+
+def write_tiny(path: Path, kind: str = "gqa", num_shards: int = 1, seed: int = 0, tokenizer: Path = EXAMPLE_TOKENIZER,
+               dtype: torch.dtype = torch.float32, **overrides):
+    """A tiny checkpoint at `path` (float32 unless `dtype` says otherwise); returns (path, state_dict)."""
+    return write_random_checkpoint(path, tiny_args(kind, **overrides), seed=seed + SEED_OFFSET, dtype=dtype,
+                                   tokenizer_path=tokenizer, num_shards=num_shards, std=TEST_STD)
+
+
+def write_nonstop(path: Path, seed: int = 0) -> Path:
+    """A tiny grouped-query checkpoint whose greedy decoding never picks a stop token, nor another control
+    token (which would print nothing).
+
+    Tests that need a greedy run of an exact length through the commands (which, unlike `Llama.generate`,
+    have no `ignore_stop`) or through Meta's `text_completion` / `chat_completion` use it, so that what
+    they check does not hang on whether a random model happens to rank the end-of-sequence token first.
+
+    The output layer's rows for the control tokens (<unk>, <s>, </s>) are zero, so their logits are exactly
+    0. Rows +0.1 e_k and -0.1 e_k for every dimension k give other tokens the logits +-0.1 h_k; the final norm
+    (weight 1) leaves h with a mean square of 1, so some |h_k| >= 1 and some other token's logit is at least
+    0.1: a control token is never the largest. The remaining rows are the random ones.
+    """
+    args = tiny_args("gqa")
+    state = random_state_dict(args, seed=seed + SEED_OFFSET, std=TEST_STD)
+    output = state["output.weight"]  # (vocab_size, dim)
+    tokenizer = Tokenizer(str(EXAMPLE_TOKENIZER))
+    silent = sorted({tokenizer.sp_model.unk_id(), tokenizer.bos_id, *tokenizer.stop_ids})
+    output[silent] = 0
+    axes = torch.cat([torch.eye(args.dim), -torch.eye(args.dim)]) * TEST_STD  # (2 dim, dim)
+    first = 1000  # ordinary pieces of the example vocabulary
+    assert not set(silent) & set(range(first, first + 2 * args.dim))
+    output[first:first + 2 * args.dim] = axes
+    return save_checkpoint(path, params_dict(args), state, tokenizer_path=EXAMPLE_TOKENIZER)
+
+
+def build(ckpt: Path, **kwargs) -> Llama:
+    kwargs = {"max_seq_len": 64, "max_batch_size": 8, "device": "cpu", "dtype": "float32", **kwargs}
+    return Llama.build(ckpt, **kwargs)
+
+
+def run(cmd: str, *args, input: str = None, env: dict = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A console script (`llama-generate`) or a script of this repository (`scripts/x.py`), as a user runs it."""
+    if cmd.endswith(".py"):
+        argv = [sys.executable, str(REPO / cmd)]
+    else:
+        argv = [str(BIN / cmd)]
+    return subprocess.run(argv + [str(a) for a in args], capture_output=True, text=True, input=input,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def generate(ckpt: Path, *args, **kwargs) -> subprocess.CompletedProcess:
+    """llama-generate, greedy, 12 new tokens at the most, unless `args` say otherwise (later flags win)."""
+    return run("llama-generate", "--ckpt-dir", ckpt, "--temperature", "0", "--max-gen-len", "12", *args, **kwargs)
+
+
+def generate_json(ckpt: Path, *args, nproc: int = 1, max_gen_len: int = 12) -> List[dict]:
+    """llama-generate's JSON records (greedy, with logprobs, on the CPU), by one process or torchrun's `nproc`."""
+    flags = ["--ckpt-dir", str(ckpt), "--json", "--logprobs", "--temperature", "0", "--max-gen-len", str(max_gen_len),
+             "--device", "cpu", *map(str, args)]
+    cmd = [str(BIN / "llama-generate")]
+    if nproc > 1:
+        cmd = TORCHRUN + [f"--nproc_per_node={nproc}", "--no-python"] + cmd
+    result = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    return json_lines(result.stdout)
+
+
+def json_lines(stdout: str) -> List[dict]:
+    """One JSON object per line. Split at newlines only: a record holding the model's text may hold other line
+    breaks (U+0085, U+2028), which json.dumps(ensure_ascii=False) leaves as they are and str.splitlines splits at."""
+    return [json.loads(line) for line in stdout.split("\n") if line]
+
+
+def chat(ckpt: Path, *args, input: str) -> subprocess.CompletedProcess:
+    """llama-chat, greedy, replies of 8 tokens at the most unless `args` say otherwise; it must succeed."""
+    length = [] if "--max-gen-len" in map(str, args) else ["--max-gen-len", "8"]
+    result = run("llama-chat", "--ckpt-dir", ckpt, "--temperature", "0", *length, *args, input=input)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def chat_stats(stderr: str) -> List[dict]:
+    """The lines `llama-chat --stats` writes after each reply, one per reply, as numbers."""
+    out = []
+    for line in stderr.splitlines():  # stderr holds only the command's own notes, never the model's text
+        if line.startswith("(prompt "):
+            prompt, rest = line[len("(prompt "):].split(" tokens: ", 1)
+            reused, rest = rest.split(" reused from the cache, ", 1)
+            out.append({"prompt": int(prompt), "reused": int(reused), "prefilled": int(rest.split(" prefilled")[0]),
+                        "line": line})
+    return out
+
+
+def convert_cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """The llama-convert command (or its module, where the console script is not installed)."""
+    script = shutil.which("llama-convert", path=str(BIN))
+    cmd = [script] if script else [sys.executable, "-m", "llama.cli.convert"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(script: Path, nproc: int, *args, env: dict = None) -> subprocess.CompletedProcess:
+    """A Python script under torchrun with `nproc` processes; it must succeed."""
+    cmd = TORCHRUN + [f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """The command failed with one line on stderr, `error: ...`, holding every fragment, and no traceback."""
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def first_stop(tokens: List[int], stop_ids) -> int:
+    """Where a row's generated tokens end: the index of the first stop token among them, or their length."""
+    return next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+
+
+# --- quantized weights, read without the library ---------------------------------------------------------
+
+
+def dequantize_stored(state: dict, prefix: str) -> torch.Tensor:
+    """The float32 (out, in) weight that the quantized tensors `{prefix}weight`, `scales` (and `mins`) of a state
+    dict stand for, worked out here from the on-disk format (llama/quant_format.py) rather than by the library,
+    so that a test comparing a layer with it compares two independent computations.
+
+    int8: value x scale of its group. int4: two values a byte, column 2j in the low nibble and 2j + 1 in the
+    high one, each value x scale + min of its group.
+    """
+    weight, scales = state[prefix + "weight"], state[prefix + "scales"].double()
+    if weight.dtype == torch.int8:
+        values, offsets = weight.double(), torch.zeros_like(scales)
+    else:
+        assert weight.dtype == torch.uint8
+        values = torch.stack([weight & 0x0F, weight >> 4], dim=-1).reshape(weight.shape[0], -1).double()
+        offsets = state[prefix + "mins"].double()
+    group = values.shape[1] // scales.shape[1]
+    return (values * scales.repeat_interleave(group, dim=1) + offsets.repeat_interleave(group, dim=1)).float()
+
+
+# --- a tiny transformers LLaMA, for the converters' tests ------------------------------------------------
+
+# An intermediate size that Meta's multiple_of rule cannot give (so params.json needs hidden_dim), and a
+# rope_theta and epsilon away from the defaults, so that losing any of them changes the logits.
+HF_SHAPE = dict(vocab_size=4000, hidden_size=64, intermediate_size=200, num_hidden_layers=2,
+                num_attention_heads=8, num_key_value_heads=2, rope_theta=500000.0, rms_norm_eps=1e-6,
+                max_position_embeddings=128)
+
+
+def tiny_hf_model(tied: bool):
+    """A random transformers LlamaForCausalLM of HF_SHAPE (needs transformers)."""
+    import transformers
+
+    config = transformers.LlamaConfig(**HF_SHAPE, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(SEED_OFFSET)
+    model = transformers.LlamaForCausalLM(config)
+    # A larger init than the default 0.02 makes the logits spread out, so a wrong permutation shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.uniform_(0.5, 1.5)  # not all ones, so swapped norms would show
+    return model.eval()
+
+
+def save_hf(model, path: Path) -> Path:
+    """`model` as a Hugging Face directory (safetensors) with the example tokenizer beside it."""
+    model.save_pretrained(path, safe_serialization=True)
+    shutil.copyfile(EXAMPLE_TOKENIZER, path / "tokenizer.model")
+    return path
+
+
+def permute_for_gguf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """transformers' q/k rows into the interleaved order llama.cpp's converter writes (its `permute`)."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def write_gguf(model, path: Path) -> Path:
+    """The model as an f32 GGUF file, written the way llama.cpp's converter lays it out."""
+    c = model.config
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    # The example SentencePiece vocabulary, as llama.cpp stores one.
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(EXAMPLE_TOKENIZER))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.vocab_size())])
+    writer.add_token_scores([sp.get_score(i) for i in range(sp.vocab_size())])
+    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
+             for i in range(sp.vocab_size())]
+    writer.add_token_types(types)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+             "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.float()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if c.tie_word_embeddings:
+                continue  # llama.cpp leaves the output out of a tied model
+            gname = "output.weight"
+        else:
+            parts = name.split(".")  # model.layers.N.(self_attn|mlp).X.weight or model.layers.N.X.weight
+            gname = f"blk.{parts[2]}.{names[parts[-2]]}.weight"
+            if parts[-2] == "q_proj":
+                tensor = permute_for_gguf(tensor, c.num_attention_heads)
+            elif parts[-2] == "k_proj":
+                tensor = permute_for_gguf(tensor, c.num_key_value_heads)
+        writer.add_tensor(gname, tensor.numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def without_kernels(llama: Llama) -> Llama:
+    """A copy of a loaded model whose quantized layers take the exact fallback (widening the weight), as a
+    torch without the private quantized kernels would run it."""
+    from llama.linears import Int4KernelLinear, Int8KernelLinear, choose_layer_classes
+
+    model = choose_layer_classes(copy.deepcopy(llama.model), kernels=False)
+    assert not any(isinstance(m, (Int8KernelLinear, Int4KernelLinear)) for m in model.modules())
+    return Llama(model, llama.tokenizer, info=llama.info)
