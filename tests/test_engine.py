@@ -182,11 +182,15 @@ def test_logprobs_equal_generate_s_including_the_echoed_prompt(llama):
 
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
-def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt, monkeypatch):
+def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt):
     # Dynamo's limit on compilations per function counts over the whole process (other tests, a second server,
     # a compiled Llama); with fullgraph=True passing it is an error. A limit of 1 here stands for a process that
     # has compiled a lot already: the server's step keeps its own.
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        _serve_compiled(gqa_ckpt)
+
+
+def _serve_compiled(gqa_ckpt):
     llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN)  # its own model: compiling changes the layers' classes
     scheduler = Scheduler(64, 4, 8, 16)
     engine = Engine(llama.tokenizer, scheduler, Runner(llama.model, 64, 4, compile=True))
