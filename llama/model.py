@@ -109,9 +109,14 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         freqs_cis: (seqlen, head_dim // 2) complex rotations shared by every row, or (bsz, seqlen, head_dim // 2)
             for rows at positions of their own.
     """
-    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (bsz, seqlen, n_heads, head_dim // 2)
+    real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (bsz, seqlen, n_heads, head_dim // 2)
     freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
-    rotated = torch.view_as_real(x_complex * freqs)  # (bsz, seqlen, n_heads, head_dim // 2, 2)
+    cos, sin = freqs.real, freqs.imag
+    # The complex product written out, one rounding per operation: torch's complex multiply rounds some
+    # elements differently by where they fall in its vectors (fused in the SIMD body, not in the tail), so
+    # a position rotated alone (a cached step) and among others (an uncached pass) could differ in the last
+    # bit, which the integer kernels' rounding of activations turns into different text (tests/test_model.py).
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
 
 

@@ -65,6 +65,19 @@ def test_rotary_scores_depend_only_on_relative_position():
     assert not torch.allclose(score(5, 2), score(5, 3), atol=1e-3)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 3])
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_a_position_rotated_alone_is_rotated_bit_for_bit_as_among_others(heads, head_dim):
+    """A cached step rotates one position; an uncached pass rotates it among all. The integer kernels round
+    activations to 8 bits, which turns a last-bit difference here into different text, so none is allowed
+    (torch's complex multiply did, for one head of 8 dimensions: a rank's share of the tiny model under torchrun)."""
+    x = torch.randn(3, 12, heads, head_dim, generator=torch.Generator().manual_seed(heads))
+    freqs = rope_cis(head_dim, 10000.0, 0, 12, "cpu")
+    together = apply_rotary_emb(x, freqs)
+    for p in range(12):
+        assert torch.equal(apply_rotary_emb(x[:, p:p + 1].contiguous(), freqs[p:p + 1]), together[:, p:p + 1]), p
+
+
 def test_kv_cache_is_sized_by_kv_heads_and_refuses_to_overflow():
     model = Transformer(tiny_args("gqa"))
     caches = model.new_kv_cache(batch_size=3, max_seq_len=10)

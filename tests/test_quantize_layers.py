@@ -2,7 +2,8 @@
 the values a layer stores are its float weights within half a step of the format's grid, and whichever path
 the layer multiplies by (torch's int8 / int4 CPU kernels, the compiled reduction, or widening its weight to
 the activations' dtype), for 1 to 4 rows (decoding a batch of 1 to 4) and for 32 (a prompt), it multiplies
-by exactly those values.
+by exactly those values. These are the exact weight-only paths (quant_kernels="exact"): the integer kernels,
+the CPU's default, round the activations too and are tested against their own reference in test_int_kernels.py.
 
 The tests at the end name the int4 layer classes of llama/linears.py (one per in-memory layout) and the
 quantizer's scratch size: they follow the layer classes rather than what a user sees.
@@ -49,7 +50,7 @@ def assert_multiplies_by(layer, weight, x, tolerance):
 
 @pytest.fixture(scope="module")
 def models(gqa_ckpt):
-    return {(m, dtype): build(gqa_ckpt, quantize=m, dtype=dtype).model
+    return {(m, dtype): build(gqa_ckpt, quantize=m, dtype=dtype, quant_kernels="exact").model
             for m in METHODS for dtype in ("float32", "bfloat16")}
 
 
@@ -94,7 +95,7 @@ def test_a_layer_multiplies_by_its_stored_values(models, method, dtype, kernels)
 @pytest.mark.parametrize("method", METHODS)
 def test_a_compiled_layer_multiplies_by_its_stored_values(gqa_ckpt, method):
     """Compiled, up to 4 rows reduce over the packed values in registers; more rows widen the weight."""
-    model = build(gqa_ckpt, quantize=method, compile=True).model  # its layers in the layouts compiled runs read
+    model = build(gqa_ckpt, quantize=method, compile=True, quant_kernels="exact").model  # its layers in the layouts compiled runs read
     for name in ("layers.0.feed_forward.w1", "layers.1.feed_forward.w2", "output"):
         layer = model.get_submodule(name)
         weight = stored_weight(layer)
