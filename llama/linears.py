@@ -410,13 +410,15 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
 
 
 def _choose_attention(model: nn.Module) -> None:
-    """Attention goes with the linear layers: row-exact (llama/row_attention.py) where they run on the integer
-    kernels, whose rounding would amplify the fused kernel's differences between cached and uncached runs;
-    torch's fused kernel otherwise."""
-    from llama.model import ScaledDotProductAttention
-    from llama.row_attention import RowExactAttention
+    """Attention and the rotary embedding go with the linear layers: row-exact (llama/row_attention.py) where
+    they run on the integer kernels, whose rounding would amplify any difference between a position computed
+    alone and among others; torch's fused kernel and complex product otherwise."""
+    from llama.model import Rotary, ScaledDotProductAttention
+    from llama.row_attention import RowExactAttention, RowExactRotary
 
     integer = any(getattr(m, "integer_kernels", False) for m in model.modules())
-    for module in model.modules():
+    for module in model.modules():  # they hold nothing: a change of class is all it takes
         if isinstance(module, ScaledDotProductAttention):
-            module.__class__ = RowExactAttention if integer else ScaledDotProductAttention  # they hold nothing
+            module.__class__ = RowExactAttention if integer else ScaledDotProductAttention
+        elif isinstance(module, Rotary):
+            module.__class__ = RowExactRotary if integer else Rotary

@@ -109,15 +109,18 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         freqs_cis: (seqlen, head_dim // 2) complex rotations shared by every row, or (bsz, seqlen, head_dim // 2)
             for rows at positions of their own.
     """
-    real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (bsz, seqlen, n_heads, head_dim // 2)
+    x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (bsz, seqlen, n_heads, head_dim // 2)
     freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
-    cos, sin = freqs.real, freqs.imag
-    # The complex product written out, one rounding per operation: torch's complex multiply rounds some
-    # elements differently by where they fall in its vectors (fused in the SIMD body, not in the tail), so
-    # a position rotated alone (a cached step) and among others (an uncached pass) could differ in the last
-    # bit, which the integer kernels' rounding of activations turns into different text (tests/test_model.py).
-    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+    rotated = torch.view_as_real(x_complex * freqs)  # (bsz, seqlen, n_heads, head_dim // 2, 2)
     return rotated.flatten(-2).type_as(x)
+
+
+class Rotary(nn.Module):
+    """`apply_rotary_emb`. A module of its own, holding nothing, so that a model on the integer kernels can swap
+    it for a row-exact one (llama/row_attention.py)."""
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        return apply_rotary_emb(x, freqs_cis)
 
 
 class ScaledDotProductAttention(nn.Module):
@@ -139,6 +142,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.rotate = Rotary()
         self.attend = ScaledDotProductAttention()
 
     def forward(
@@ -155,8 +159,8 @@ class Attention(nn.Module):
         xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
         xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        xq = apply_rotary_emb(xq, freqs_cis)
-        xk = apply_rotary_emb(xk, freqs_cis)
+        xq = self.rotate(xq, freqs_cis)
+        xk = self.rotate(xk, freqs_cis)
 
         keys = xk.transpose(1, 2)  # (bsz, n_kv_heads, seqlen, head_dim)
         values = xv.transpose(1, 2)

@@ -8,6 +8,7 @@ from llama.checkpoint import model_args
 from llama.random_weights import PRESETS, random_state_dict
 from llama.kv_cache import KVCache
 from llama.model import Transformer, apply_rotary_emb, rope_cis
+from llama.row_attention import RowExactRotary
 from reference import reference_logits
 
 
@@ -67,15 +68,17 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 @pytest.mark.parametrize("heads", [1, 2, 3])
 @pytest.mark.parametrize("head_dim", [8, 64])
-def test_a_position_rotated_alone_is_rotated_bit_for_bit_as_among_others(heads, head_dim):
+def test_the_row_exact_rotary_rotates_a_position_alone_bit_for_bit_as_among_others(heads, head_dim):
     """A cached step rotates one position; an uncached pass rotates it among all. The integer kernels round
-    activations to 8 bits, which turns a last-bit difference here into different text, so none is allowed
-    (torch's complex multiply did, for one head of 8 dimensions: a rank's share of the tiny model under torchrun)."""
+    activations to 8 bits, which turns a last-bit difference here into different text, so models on them
+    rotate with RowExactRotary (torch's complex multiply, the float paths' rotary, differed for one head of 8
+    dimensions: a rank's share of the tiny model under torchrun). It rotates as the complex product does."""
     x = torch.randn(3, 12, heads, head_dim, generator=torch.Generator().manual_seed(heads))
     freqs = rope_cis(head_dim, 10000.0, 0, 12, "cpu")
-    together = apply_rotary_emb(x, freqs)
+    together = RowExactRotary()(x, freqs)
+    torch.testing.assert_close(together, apply_rotary_emb(x, freqs), rtol=0, atol=1e-6)
     for p in range(12):
-        assert torch.equal(apply_rotary_emb(x[:, p:p + 1].contiguous(), freqs[p:p + 1]), together[:, p:p + 1]), p
+        assert torch.equal(RowExactRotary()(x[:, p:p + 1].contiguous(), freqs[p:p + 1]), together[:, p:p + 1]), p
 
 
 def test_kv_cache_is_sized_by_kv_heads_and_refuses_to_overflow():
