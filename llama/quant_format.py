@@ -156,17 +156,23 @@ def write_record(method: str, group_size: Optional[int], source: str) -> bytes:
 def record_for(state_dict: Dict[str, torch.Tensor], source: str) -> Optional[bytes]:
     """The `quantization.json` bytes that describe `state_dict`, None if it holds no quantized weight.
 
-    One method and group size throughout gives that method and size (None: one scale per output channel);
-    anything else is "mixed" (each tensor still says what it is: int4 has mins, and the group size is
-    in / scales columns).
+    One method and group size throughout gives that method and size (None: one scale per output channel), and
+    so does int4 whose output layer is int8 per output channel (what `--quantize int4` writes); anything else
+    is "mixed" (each tensor still says what it is: int4 has mins, and the group size is in / scales columns).
     """
-    kinds = set()
+    kinds, output = set(), None
     for name, tensor in state_dict.items():
         if name.endswith(".scales"):
             prefix = name.removesuffix(".scales")
             method = method_of(state_dict, f"{prefix}.weight")
             in_features = state_dict[f"{prefix}.weight"].shape[1] * (2 if method == "int4" else 1)
-            kinds.add((method, None if tensor.shape[1] == 1 else in_features // tensor.shape[1]))
+            kind = (method, None if tensor.shape[1] == 1 else in_features // tensor.shape[1])
+            if prefix == "output":
+                output = kind
+            else:
+                kinds.add(kind)
+    if output is not None and not (output == ("int8", None) and len(kinds) == 1 and next(iter(kinds))[0] == "int4"):
+        kinds.add(output)
     if not kinds:
         return None
     if len(kinds) == 1:

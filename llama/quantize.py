@@ -82,20 +82,39 @@ def group_size_for(method: str, in_features: int, group_size: Optional[int] = No
 
 
 def describe(plan: Plan) -> Optional[str]:
-    """A short name for a plan: "int8", "int8-g32", "int4-g32", "mixed", or None for a float model."""
-    kinds = set()
-    for method, group_size in plan.values():
+    """A short name for a plan: "int8", "int8-g32", "int4-g32, output int8" (`--quantize int4`), "mixed", or None
+    for a float model."""
+    kinds = {}
+    for name, (method, group_size) in plan.items():
         per_channel = method == "int8" and group_size is None
-        kinds.add(method if per_channel else f"{method}-g{group_size}")
+        kinds[name] = method if per_channel else f"{method}-g{group_size}"
+    rest = {kind for name, kind in kinds.items() if name != OUTPUT_WEIGHT}
+    if len(rest) == 1 and rest.pop().startswith("int4") and kinds.get(OUTPUT_WEIGHT) == "int8":
+        return f"{kinds[next(n for n in kinds if n != OUTPUT_WEIGHT)]}, output int8"  # what --quantize int4 gives
+    kinds = set(kinds.values())
     return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
 
 
+# The output layer keeps 8 bits when the rest goes to 4, as llama.cpp keeps it above 4 bits (Q6_K or Q8_0): it
+# is the one layer whose rounding reaches the logits with nothing after it to average it out. Rounded to int4
+# it cost the default model +6.2% perplexity on data/alice29.txt (docs/benchmarks.md), for 1% of the weights.
+OUTPUT_WEIGHT = "output.weight"
+
+
+def layer_method(weight_name: str, method: str) -> str:
+    """The method one linear weight is quantized with when the model is quantized with `method`."""
+    return "int8" if method == "int4" and weight_name == OUTPUT_WEIGHT else method
+
+
 def plan_for(model: nn.Module, method: str, group_size: Optional[int] = None) -> Plan:
-    """Quantize every linear layer of `model` with `method`, in groups as `group_size_for` says."""
+    """Quantize every linear layer of `model` with `method` (`layer_method`: int4 keeps the output layer at
+    int8, per output channel), in groups as `group_size_for` says."""
     plan = {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and is_linear_weight(f"{name}.weight"):
-            plan[f"{name}.weight"] = (method, group_size_for(method, module.weight.shape[1], group_size, name))
+        weight = f"{name}.weight"
+        if isinstance(module, nn.Linear) and is_linear_weight(weight):
+            m = layer_method(weight, method)
+            plan[weight] = (m, group_size_for(m, module.weight.shape[1], group_size if m == method else None, name))
     return plan
 
 

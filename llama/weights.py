@@ -27,7 +27,7 @@ from llama.model import ModelArgs
 from llama.progress import Progress, or_silent
 from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, Plan, is_linear_weight, quantized_shapes
 from llama.linears import choose_layer_classes
-from llama.quantize import check_method, describe, plan_for, quantize_weight, swap_linears
+from llama.quantize import check_method, describe, layer_method, plan_for, quantize_weight, swap_linears
 from llama.sharding import split_dim
 
 # Scratch for quantizing one weight (llama/quantize.py works 2**22 elements at a time, float32, a few copies).
@@ -43,8 +43,8 @@ def resolve_plan(model: nn.Module, source: CheckpointReader, quantize: Optional[
     """
     quantize = check_method(quantize)
     if source.stored_plan:
-        stored = {m for m, _ in source.stored_plan.values()}
-        if quantize is not None and stored != {quantize}:
+        stored = {name: m for name, (m, _) in source.stored_plan.items()}
+        if quantize is not None and any(m not in (quantize, layer_method(name, quantize)) for name, m in stored.items()):
             raise LlamaError(f"{source.ckpt_dir} is stored quantized as {describe(source.stored_plan)}; "
                              f"quantize={quantize} would round its weights a second time: leave quantize= out "
                              "to run it as stored, or quantize the float checkpoint")

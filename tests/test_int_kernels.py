@@ -326,8 +326,9 @@ def models(gqa_ckpt):
 def test_quantized_cpu_models_run_on_the_kernels_unless_asked_for_the_exact_paths(models, method, dtype):
     integer, exact = models[method, dtype, "integer"], models[method, dtype, "exact"]
     kind = Int8DotLinear if method == "int8" else Int4DotLinear
-    layers = [m for m in integer.model.modules() if isinstance(m, QuantizedLinear)]
+    layers = [m for m in integer.model.modules() if isinstance(m, QuantizedLinear) and m is not integer.model.output]
     assert layers and all(type(m) is kind for m in layers)
+    assert type(integer.model.output) is Int8DotLinear  # int4 keeps the output layer at int8
     assert integer.info.quant_kernels == "integer" and integer.info.notes == []
     assert not any(isinstance(m, kind) for m in exact.model.modules()) and exact.info.quant_kernels == "exact"
     assert not any(isinstance(m, RowExactAttention) for m in exact.model.modules())

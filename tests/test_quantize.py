@@ -61,9 +61,11 @@ def test_every_linear_layer_is_quantized_and_the_embedding_is_not(quantized, met
     model = quantized[method].model
     kind = Int8Linear if method == "int8" else Int4Linear
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert isinstance(model.output, kind) and isinstance(model.layers[1].feed_forward.w2, kind)
+    # int4 keeps the output layer at int8 (per output channel), as llama.cpp keeps it above 4 bits.
+    assert isinstance(model.output, Int8Linear) and model.output.group_size is None
+    assert isinstance(model.layers[1].feed_forward.w2, kind)
     assert model.tok_embeddings.weight.dtype == torch.float32
-    assert quantized[method].info.quantization == {"int8": "int8", "int4": "int4-g32"}[method]
+    assert quantized[method].info.quantization == {"int8": "int8", "int4": "int4-g32, output int8"}[method]
 
 
 def test_a_slow_quantized_run_says_what_would_be_fast(quantized, quantized_bf16):
@@ -155,9 +157,10 @@ def test_state_dict_is_the_on_disk_layout_and_round_trips(quantized, method, tmp
     float_shapes = {k: v.shape for k, v in random_state_dict(llama.model.params).items()}
     group = {"int8": None, "int4": 32}[method]
     plan = {k: (method, group or s[1]) for k, s in float_shapes.items() if qf.is_linear_weight(k)}
+    plan["output.weight"] = ("int8", float_shapes["output.weight"][1])  # int4 keeps the output layer at int8
     assert {k: v.shape for k, v in state.items()} == qf.quantized_shapes(float_shapes, plan)
-    for name in plan:
-        assert state[name].dtype == (torch.int8 if method == "int8" else torch.uint8)
+    for name, (m, _) in plan.items():
+        assert state[name].dtype == (torch.int8 if m == "int8" else torch.uint8)
         assert state[name.replace(".weight", ".scales")].dtype == torch.float16
 
     params = {k: getattr(llama.model.params, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",

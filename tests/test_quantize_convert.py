@@ -154,7 +154,7 @@ def test_quantize_a_float_checkpoint_within_half_a_step(tmp_path, method):
         if not quant_format.is_linear_weight(name):
             assert torch.equal(sd[name], w), name
             continue
-        assert quant_format.method_of(sd, name) == method
+        assert quant_format.method_of(sd, name) == ("int8" if name == "output.weight" else method)  # int4 keeps it
         scales = sd[f"{name.removesuffix('.weight')}.scales"].float()
         step = scales.repeat_interleave(w.shape[1] // scales.shape[1], dim=1)
         error = (ours_dequantized(sd, name) - w).abs()

@@ -16,7 +16,7 @@ from llama import quant_format
 from llama.checkpoint import CheckpointReader, check_dest, model_args, read_params, save_checkpoint, tokenizer_beside
 from llama.errors import LlamaError
 from llama.progress import Progress, or_silent
-from llama.quantize import check_method, group_size_for, quantize_weight
+from llama.quantize import check_method, group_size_for, layer_method, quantize_weight
 from llama.sharding import split_dim
 
 
@@ -46,7 +46,7 @@ def quantize_state_dict(state_dict: Mapping, method: str, progress: Optional[Pro
     done = 0
     for name in state_dict:
         if name in linear:
-            add_quantized(result, name, quantize_tensor(state_dict[name], method, name))
+            add_quantized(result, name, quantize_tensor(state_dict[name], layer_method(name, method), name))
             done += 1
             or_silent(progress)(f"quantizing to {method}", done, len(linear))
         else:
