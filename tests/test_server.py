@@ -34,9 +34,8 @@ SYSTEM = "You are a careful assistant. Answer the question in one short sentence
 class Server:
     """A llama-server subprocess, its URL once it is ready, and the lines it has logged."""
 
-    def __init__(self, ckpt, *flags):
-        cmd = [sys.executable, "-m", "llama.cli.server", "--ckpt-dir", str(ckpt), "--port", "0",
-               "--max-seq-len", str(MAX_SEQ_LEN), *map(str, flags)]
+    def __init__(self, ckpt, *flags, launcher=(sys.executable, "-m", "llama.cli.server")):
+        cmd = [*launcher, "--ckpt-dir", str(ckpt), "--port", "0", "--max-seq-len", str(MAX_SEQ_LEN), *map(str, flags)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": ""}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
         self.lines, self.ready = [], threading.Event()

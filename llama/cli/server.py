@@ -2,7 +2,9 @@
 
 It listens at once and loads the model in the background (GET /health answers 503 until it is ready),
 then prints the URL. Ctrl-C or SIGTERM stops taking requests, gives those in flight a few seconds to
-finish (then ends them with an error event), and exits 0.
+finish (then ends them with an error event), and exits 0. Under torchrun the model is split over the
+processes as every command splits it: rank 0 serves and schedules, the others run each step on their slices
+(llama/server/ranks.py).
 """
 
 import os
@@ -13,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Union
 
-from llama.cli.common import fail, run
+from llama.cli.common import EXIT_ERROR, fail, run
 from llama.cli.loading import build_from_flags
 from llama.devices import available_memory
 from llama.download import DEFAULT_MODEL
@@ -69,6 +71,7 @@ def main(
     Examples:
         llama-server
         llama-server --port 8000 --parallel 8 --kv-cache-size 16384
+        torchrun --nproc_per_node 2 --no-python llama-server --ckpt-dir llama-2-13b
         curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
             -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
 
@@ -79,7 +82,8 @@ def main(
         port: port to listen on; 0 picks a free one (the ready line names it).
         parallel: sequences decoded together at each step; more wait their turn.
         kv_cache_size: the KV cache all sequences share, in tokens (4096), or in bytes with a unit (512MiB);
-            default --parallel x --max-seq-len tokens, so every sequence can reach the full context.
+            default --parallel x --max-seq-len tokens, so every sequence can reach the full context. Under
+            torchrun bytes count per process, each holding its share of the heads.
         max_seq_len: the longest prompt plus reply one request may have.
         block_size: positions per KV-cache block (the unit in which memory is shared and reused).
         prefill_chunk: prompt tokens fed per step, so a long prompt never stalls the streams running.
@@ -105,6 +109,12 @@ def main(
     if port > 65535:
         fail(f"--port must be at most 65535, not {port}")
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    settings = dict(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len, parallel=parallel,
+                    kv_cache_size=kv_cache_size, block_size=block_size, no_kv_cache=no_kv_cache, device=device,
+                    dtype=dtype, quantize=quantize, quant_kernels=quant_kernels, compile=compile)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 serves, the others run its steps
+        _follow(settings)
+        return
     try:
         import uvicorn  # noqa: F401
         from llama.server.http import ServerState, create_app
@@ -123,8 +133,7 @@ def main(
 
     def load():
         try:
-            engine, line = _load(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_size,
-                                 prefill_chunk, max_waiting, no_kv_cache, device, dtype, quantize, quant_kernels, compile)
+            engine, line = _load(settings, prefill_chunk, max_waiting)
             state.tokenizer, state.max_seq_len = engine.tokenizer, max_seq_len
             state.vocab_size = engine.runner.model.vocab_size
             state.engine = engine  # ready from here on
@@ -142,22 +151,25 @@ def main(
         raise failure[0]
     if state.engine is not None:
         state.engine.drain(0)
+        from llama.server.ranks import LeaderRunner
+
+        if isinstance(state.engine.runner, LeaderRunner):
+            state.engine.runner.close()  # the other ranks exit
     print("llama-server: stopped", file=sys.stderr, flush=True)
 
 
-def _load(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_size, prefill_chunk, max_waiting,
-          no_kv_cache, device, dtype, quantize, quant_kernels, compile):
-    """Build the model, the KV cache, the scheduler and the engine; returns the engine and a line describing them."""
-    from llama.server.engine import Engine
+def _build(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_size, no_kv_cache, device, dtype,
+           quantize, quant_kernels, compile):
+    """This rank's model, runner and KV cache; returns the runner, its blocks, and a line describing them."""
     from llama.server.runner import Runner
-    from llama.server.scheduler import Scheduler
 
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, parallel, 1, device, dtype, False, quantize,
                              quant_kernels)
-    if llama.info.world_size > 1:
-        raise LlamaError("llama-server runs in one process, not under torchrun")
+    world_size = llama.info.world_size
+    if compile and world_size > 1:
+        raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
     model = llama.model
-    per_position = model.kv_cache_nbytes(1, 1)
+    per_position = model.kv_cache_nbytes(1, 1)  # this rank's share of the heads
     positions = kv_cache_positions(kv_cache_size, per_position, parallel * max_seq_len)
     num_blocks = -(-positions // block_size)
     if no_kv_cache:
@@ -169,17 +181,50 @@ def _load(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block_
         if free is not None and nbytes > free:
             raise LlamaError(f"a KV cache of {num_blocks * block_size:,} tokens needs {nbytes / 2**30:.2f} GiB on "
                              f"{model.device} but only {free / 2**30:.2f} GiB is available; lower --kv-cache-size")
+        share = " per process" if world_size > 1 else ""
         line = (f"--parallel {parallel}, KV cache {num_blocks * block_size:,} tokens in {num_blocks:,} blocks of "
-                f"{block_size}, {nbytes / 2**20:,.1f} MiB")
-    if compile and not no_kv_cache:
+                f"{block_size}, {nbytes / 2**20:,.1f} MiB{share}")
+    if compile and not no_kv_cache and llama.info.rank == 0:
         print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first time "
               "(ten on a busy 2-core machine), less once Inductor has it cached on disk", file=sys.stderr, flush=True)
         line += "; decode step compiled"
-    scheduler = Scheduler(max(num_blocks, 1), block_size, parallel, prefill_chunk, kv_cache=not no_kv_cache)
+    if world_size > 1:
+        line += f"; split over {world_size} processes"
     runner = Runner(model, num_blocks, block_size, compile=compile and not no_kv_cache)
+    return llama, runner, num_blocks, line
+
+
+def _load(settings: dict, prefill_chunk: int, max_waiting: int):
+    """Build the model, the KV cache, the scheduler and the engine; returns the engine and a line describing them."""
+    from llama.server.engine import Engine
+    from llama.server.ranks import LeaderRunner, step_group
+    from llama.server.scheduler import Scheduler
+
+    llama, runner, num_blocks, line = _build(**settings)
+    if llama.info.world_size > 1:
+        runner = LeaderRunner(runner, step_group(), on_lost=_rank_lost)
+    scheduler = Scheduler(max(num_blocks, 1), settings["block_size"], settings["parallel"], prefill_chunk,
+                          kv_cache=not settings["no_kv_cache"])
     engine = Engine(llama.tokenizer, scheduler, runner, max_waiting, log=_log)
     engine.start()
     return engine, line
+
+
+def _follow(settings: dict) -> None:
+    """A rank other than 0: load this rank's slice, then run rank 0's steps until it stops."""
+    from llama.server.ranks import follow, step_group
+
+    llama, runner, _, _ = _build(**settings)
+    group = step_group()
+    print(f"llama-server: rank {llama.info.rank} of {llama.info.world_size} (pid {os.getpid()}) runs the steps "
+          "rank 0 sends", file=sys.stderr, flush=True)
+    follow(runner, group)
+
+
+def _rank_lost(why: str) -> None:
+    """Another rank is gone: the model cannot run without its slice, so this process ends at once, saying why."""
+    print(f"error: {why}", file=sys.stderr, flush=True)
+    os._exit(EXIT_ERROR)
 
 
 def _log(line: str) -> None:

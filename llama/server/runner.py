@@ -158,6 +158,7 @@ class _ManyRowsOutput(nn.Module):
         super().__init__()
         self.weight = layer.weight
         self.register_buffer("row_major", layer.weight.detach().contiguous(), persistent=False)
+        self._forward_hooks.update(layer._forward_hooks)  # under torchrun: the gather of the vocabulary's slices
 
     @staticmethod
     def suits(layer: nn.Module) -> bool:
