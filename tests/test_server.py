@@ -225,19 +225,22 @@ def test_a_shared_prefix_is_reused_and_counted(server, llama):
     assert second.choices[0].message.content == solo_chat(llama, messages, 12)[0]
 
 
+def ask_question(server, i, max_tokens):
+    """Greedy chat on question i (every other with the system prompt, every third streamed): (messages, text)."""
+    client = server.client()
+    messages = chat_messages(QUESTIONS[i], SYSTEM if i % 2 else None)
+    if i % 3 == 0:
+        chunks = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0,
+                                                stream=True)
+        return messages, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0)
+    return messages, r.choices[0].message.content
+
+
 def test_eight_concurrent_clients_get_their_solo_answers(server, llama):
     """More than --parallel and more than the KV cache holds at once: some wait, some are preempted."""
-    def ask(i):
-        client = server.client()
-        messages = chat_messages(QUESTIONS[i], SYSTEM if i % 2 else None)
-        if i % 3 == 0:
-            chunks = client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0, stream=True)
-            return messages, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        r = client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0)
-        return messages, r.choices[0].message.content
-
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(ask, range(8)))
+        answers = list(pool.map(lambda i: ask_question(server, i, 30), range(8)))
     for messages, text in answers:
         assert text == solo_chat(llama, messages, 30)[0]
     assert server.metrics()["llama_kv_cache_blocks_used"] == 0

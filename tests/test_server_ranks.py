@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from helpers import BIN, REPO, TORCHRUN, build, write_tiny
-from test_server import MAX_SEQ_LEN, QUESTIONS, SYSTEM, Server, chat_messages, continuation, solo, solo_chat
+from test_server import MAX_SEQ_LEN, Server, ask_question, continuation, solo, solo_chat
 
 pytestmark = pytest.mark.slow  # every test starts torchrun
 
@@ -58,19 +58,8 @@ def test_two_processes_give_one_process_answers_and_stop_together(checkpoints, l
     try:
         assert any("listening on" in line and "split over 2 processes" in line for line in server.lines)
         follower_pid(server)
-
-        def ask(i):
-            client = server.client()
-            messages = chat_messages(QUESTIONS[i], SYSTEM if i % 2 else None)
-            if i % 3 == 0:
-                chunks = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0,
-                                                        stream=True)
-                return messages, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            r = client.chat.completions.create(model="m", messages=messages, max_tokens=24, temperature=0)
-            return messages, r.choices[0].message.content
-
         with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(ask, range(6)))
+            answers = list(pool.map(lambda i: ask_question(server, i, 24), range(6)))
         for messages, text in answers:
             assert text == solo_chat(llama, messages, 24)[0]
 
