@@ -226,6 +226,21 @@ def test_a_shared_prefix_is_reused_and_counted(server, llama):
     assert second.choices[0].message.content == solo_chat(llama, messages, 12)[0]
 
 
+def test_cache_prompt_false_reuses_nothing_and_changes_nothing_else(server, llama):
+    client = server.client()
+    system = SYSTEM + " Reply in plain words."
+    messages = chat_messages(QUESTIONS[5], system)
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    uncached = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                              extra_body={"cache_prompt": False})
+    cached = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    assert uncached.usage.prompt_tokens_details.cached_tokens == 0
+    assert cached.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt, just computed: reused when allowed
+    answer = solo_chat(llama, messages, 12)[0]
+    assert first.choices[0].message.content == uncached.choices[0].message.content == answer
+    assert cached.choices[0].message.content == answer
+
+
 def test_eight_concurrent_clients_get_their_solo_answers(server, llama):
     """More than --parallel and more than the KV cache holds at once: some wait, some are preempted."""
     def ask(i):
@@ -296,6 +311,7 @@ ERRORS = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": True}, 400, "n", "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "cache_prompt": "no"}, 400, "cache_prompt", "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 250}, 400, "messages", "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 190}, 400, "max_tokens", "kv_cache_too_small"),

@@ -142,7 +142,7 @@ class _Run:
             self.jobs.append(Job(prompt, max_tokens, partial(self._emit, k), n=params.n, temperature=params.temperature,
                                  top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
                                  echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
-                                 ignore_eos=params.ignore_eos))
+                                 ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt))
         submitted = []
         try:
             for job in self.jobs:
