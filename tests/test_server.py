@@ -34,9 +34,9 @@ SYSTEM = "You are a careful assistant. Answer the question in one short sentence
 class Server:
     """A llama-server subprocess, its URL once it is ready, and the lines it has logged."""
 
-    def __init__(self, ckpt, *flags):
+    def __init__(self, ckpt, *flags, max_seq_len: int = MAX_SEQ_LEN):
         cmd = [sys.executable, "-m", "llama.cli.server", "--ckpt-dir", str(ckpt), "--port", "0",
-               "--max-seq-len", str(MAX_SEQ_LEN), *map(str, flags)]
+               "--max-seq-len", str(max_seq_len), *map(str, flags)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": ""}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
         self.lines, self.ready = [], threading.Event()
