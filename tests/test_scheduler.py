@@ -110,6 +110,24 @@ def test_echoed_prompt_logprobs_reuse_nothing():
     assert b.cached_tokens == 0 and step.pieces[-1].all_logits and step.pieces[-1].n == 8
 
 
+def test_a_sequence_that_may_not_reuse_computes_its_whole_prompt_and_still_leaves_it_cached():
+    sched = Scheduler(num_blocks=16, block_size=4, max_running=4, prefill_chunk=64)
+    cache = FakeCache(sched.pool)
+    a = Sequence([1, 2, 3, 4, 5, 6, 7, 8])
+    sched.add(a)
+    run_step(sched, cache)
+    b = Sequence([1, 2, 3, 4, 5, 6, 7, 8], reuse_prefix=False)
+    sched.add(b)
+    step = run_step(sched, cache)
+    assert b.cached_tokens == 0 and (step.pieces[-1].start, step.pieces[-1].n) == (0, 8) and not step.copies
+    assert not step.pieces[-1].all_logits
+    c = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    sched.add(c)
+    run_step(sched, cache)
+    assert c.cached_tokens == 8
+    check_accounting(sched)
+
+
 def test_two_sequences_computing_the_same_prefix_end_up_sharing_one_copy():
     sched = Scheduler(num_blocks=16, block_size=4, max_running=4, prefill_chunk=64)
     cache = FakeCache(sched.pool)

@@ -34,8 +34,9 @@ SYSTEM = "You are a careful assistant. Answer the question in one short sentence
 class Server:
     """A llama-server subprocess, its URL once it is ready, and the lines it has logged."""
 
-    def __init__(self, ckpt, *flags, launcher=(sys.executable, "-m", "llama.cli.server")):
-        cmd = [*launcher, "--ckpt-dir", str(ckpt), "--port", "0", "--max-seq-len", str(MAX_SEQ_LEN), *map(str, flags)]
+    def __init__(self, ckpt, *flags, max_seq_len: int = MAX_SEQ_LEN,
+                 launcher=(sys.executable, "-m", "llama.cli.server")):
+        cmd = [*launcher, "--ckpt-dir", str(ckpt), "--port", "0", "--max-seq-len", str(max_seq_len), *map(str, flags)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": ""}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
         self.lines, self.ready = [], threading.Event()
@@ -237,6 +238,21 @@ def ask_question(server, i, max_tokens):
     return messages, r.choices[0].message.content
 
 
+def test_cache_prompt_false_reuses_nothing_and_changes_nothing_else(server, llama):
+    client = server.client()
+    system = SYSTEM + " Reply in plain words."
+    messages = chat_messages(QUESTIONS[5], system)
+    first = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    uncached = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                              extra_body={"cache_prompt": False})
+    cached = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    assert uncached.usage.prompt_tokens_details.cached_tokens == 0
+    assert cached.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt, just computed: reused when allowed
+    answer = solo_chat(llama, messages, 12)[0]
+    assert first.choices[0].message.content == uncached.choices[0].message.content == answer
+    assert cached.choices[0].message.content == answer
+
+
 def test_eight_concurrent_clients_get_their_solo_answers(server, llama):
     """More than --parallel and more than the KV cache holds at once: some wait, some are preempted."""
     with ThreadPoolExecutor(8) as pool:
@@ -298,6 +314,7 @@ ERRORS = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "n": True}, 400, "n", "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop", "invalid_type"),
+    ({"messages": [{"role": "user", "content": "hi"}], "cache_prompt": "no"}, 400, "cache_prompt", "invalid_type"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 250}, 400, "messages", "context_length_exceeded"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 190}, 400, "max_tokens", "kv_cache_too_small"),

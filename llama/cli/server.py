@@ -58,6 +58,7 @@ def main(
     max_waiting: int = 64,
     api_key: str = None,
     no_kv_cache: bool = False,
+    no_webui: bool = False,
     model_name: str = None,
     shutdown_grace: float = 5.0,
     device: str = None,
@@ -88,9 +89,11 @@ def main(
         block_size: positions per KV-cache block (the unit in which memory is shared and reused).
         prefill_chunk: prompt tokens fed per step, so a long prompt never stalls the streams running.
         max_waiting: requests that may wait for room before more get 503.
-        api_key: require `Authorization: Bearer KEY` on every path but /health; default: $LLAMA_API_KEY.
+        api_key: require `Authorization: Bearer KEY` on every path but /health and the chat page at /;
+            default: $LLAMA_API_KEY.
         no_kv_cache: feed every sequence's whole prefix at each step instead of caching keys and values.
             Same answers, slower: to measure and to teach.
+        no_webui: do not serve the chat page at / (then GET / is 404, as any unknown path).
         model_name: the model's id in responses and /v1/models; default: the checkpoint directory's name.
         shutdown_grace: seconds requests in flight get to finish after Ctrl-C or SIGTERM.
         device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
@@ -127,7 +130,7 @@ def main(
         fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
     port = sock.getsockname()[1]
     name = model_name or (Path(str(ckpt_dir)).resolve().name if ckpt_dir is not None else DEFAULT_MODEL)
-    state = ServerState(model_id=name, api_key=api_key, log=_log)
+    state = ServerState(model_id=name, api_key=api_key, kv_cache=not no_kv_cache, webui=not no_webui, log=_log)
     server = _Server(create_app(state), shutdown_grace)
     failure = []
 
@@ -139,7 +142,8 @@ def main(
             state.engine = engine  # ready from here on
             server.engine = engine
             url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            print(f"llama-server: listening on {url} ({name}; {line})", file=sys.stderr, flush=True)
+            page = "" if no_webui else f"; chat page at {url}/"
+            print(f"llama-server: listening on {url} ({name}; {line}{page})", file=sys.stderr, flush=True)
         except BaseException as e:  # reported by the main thread, as every command reports it
             failure.append(e)
             server.should_exit = True

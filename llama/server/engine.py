@@ -73,6 +73,7 @@ class Job:
 
     `seed` makes sampling reproducible whatever else runs: choice i draws from its own generator, seeded
     with seed + i. `logprobs` None reports none; k reports each token's and the k likeliest alternatives'.
+    `cache_prompt` False computes the whole prompt even where the cache holds a prefix of it (same answer).
     """
 
     prompt: List[int]
@@ -87,6 +88,7 @@ class Job:
     echo_logprobs: bool = False
     ignore_eos: bool = False  # stop tokens do not end it: it runs to max_tokens (benchmarks)
     text_context: bool = False  # decode completions after the prompt's last tokens (keeps a leading space)
+    cache_prompt: bool = True
     sequences: List[Sequence] = field(default_factory=list)
     remaining: int = 0
 
@@ -230,7 +232,8 @@ class Engine:
             return
         first = None
         for i in range(job.n):
-            seq = Sequence(job.prompt, prompt_logprobs=job.echo_logprobs and i == 0, after=first)
+            seq = Sequence(job.prompt, prompt_logprobs=job.echo_logprobs and i == 0, reuse_prefix=job.cache_prompt,
+                           after=first)
             first = first or seq
             seed = (job.seed + i) % 2**64 if job.seed is not None else random.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)

@@ -3,7 +3,8 @@
 A request is checked (llama/server/openai_api.py), becomes one engine job per prompt, and is answered
 from the job's events: whole, or as Server-Sent Events while they come. A client that leaves cancels its
 jobs at once, streaming or not. Every error leaves in OpenAI's one shape; nothing a client sends can
-show it a traceback or stop the server from serving the next request.
+show it a traceback or stop the server from serving the next request. `GET /` is the chat page
+(llama/server/webui/index.html), a static file that talks to the same API.
 """
 
 import asyncio
@@ -13,12 +14,13 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from functools import partial
+from importlib import resources
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs, Unavailable
@@ -44,13 +46,16 @@ class ServerState:
     tokenizer: Any = None
     max_seq_len: int = 0
     vocab_size: int = 0
+    kv_cache: bool = True  # False under --no-kv-cache: nothing is cached, so `cache_prompt` changes nothing
+    webui: bool = True  # serve the chat page at GET / (--no-webui turns it off)
     created: int = field(default_factory=now)
     log: Callable[[str], None] = field(default=lambda line: None)  # one line per request, and failures
 
 
 def create_app(state: ServerState):
     """The ASGI application: routes, the API key check, and one log line per request."""
-    routes = [
+    routes = [Route("/", _webui_page(), methods=["GET"])] if state.webui else []
+    routes += [
         Route("/health", partial(_health, state), methods=["GET"]),
         Route("/metrics", _endpoint(state, _metrics), methods=["GET"]),
         Route("/v1/models", _endpoint(state, _models), methods=["GET"]),
@@ -63,6 +68,15 @@ def create_app(state: ServerState):
 
 # Routes.
 
+def _webui_page():
+    """The chat page, read once: it is static, and a file the package ships (pyproject's package-data)."""
+    page = resources.files("llama.server").joinpath("webui/index.html").read_text(encoding="utf-8")
+
+    async def webui(request: Request) -> Response:
+        return HTMLResponse(page, headers={"cache-control": "no-cache"})
+    return webui
+
+
 async def _health(state: ServerState, request: Request) -> Response:
     if state.engine is None:
         return _error(ApiError(503, "the model is still loading", code="model_loading"))
@@ -72,7 +86,7 @@ async def _health(state: ServerState, request: Request) -> Response:
 async def _models(state: ServerState, request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [
         {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "llama-kv",
-         "max_model_len": state.max_seq_len}]})
+         "max_model_len": state.max_seq_len, "kv_cache": state.kv_cache}]})
 
 
 async def _metrics(state: ServerState, request: Request) -> Response:
@@ -142,7 +156,7 @@ class _Run:
             self.jobs.append(Job(prompt, max_tokens, partial(self._emit, k), n=params.n, temperature=params.temperature,
                                  top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
                                  echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
-                                 ignore_eos=params.ignore_eos))
+                                 ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt))
         submitted = []
         try:
             for job in self.jobs:
@@ -353,14 +367,16 @@ def _log_exception(state: ServerState, e: Exception) -> None:
 
 
 class _CheckKey:
-    """With an API key, every path but /health needs `Authorization: Bearer KEY` (compared in constant time)."""
+    """With an API key, every path but /health and the chat page needs `Authorization: Bearer KEY` (compared in
+    constant time). The page is static and holds no secret; the API calls it makes carry the key."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send):
         key = self.state.api_key
-        if scope["type"] == "http" and key and scope["path"] != "/health":
+        open_paths = ("/health", "/") if self.state.webui else ("/health",)
+        if scope["type"] == "http" and key and scope["path"] not in open_paths:
             header = dict(scope["headers"]).get(b"authorization", b"")
             given = header[7:].strip() if header[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(given, key.encode()):

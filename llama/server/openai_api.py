@@ -53,6 +53,7 @@ class Params:
     logprobs: Optional[int] = None  # None: none; k: the chosen token's and the k likeliest alternatives
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: run to max_tokens through stop tokens
     echo: bool = False
+    cache_prompt: bool = True  # llama.cpp's extension: False reuses no cached prefix (every prompt token computed)
     prompt_texts: List[str] = field(default_factory=list)  # completions' echo
 
 
@@ -206,6 +207,7 @@ def _common(body: Dict[str, Any], prompts: List[List[int]]) -> Params:
     params.seed = _integer(body, "seed", None, -2**63, 2**64 - 1)
     params.stream = _boolean(body, "stream", False)
     params.ignore_eos = _boolean(body, "ignore_eos", False)
+    params.cache_prompt = _boolean(body, "cache_prompt", True)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options", "invalid_type")

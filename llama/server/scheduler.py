@@ -33,12 +33,15 @@ class Sequence:
         tokens: the prompt's token ids; sampled tokens are appended (`append`).
         prompt_logprobs: the logits of every prompt position are wanted (echoed log-probabilities), so
             none of its prompt may be taken from the cache.
+        reuse_prefix: False computes every prompt token even where the cache holds them (a request's
+            `cache_prompt: false`); its own blocks still enter the cache for later sequences.
         after: a sequence with the same prompt (another choice of one request) whose prompt should be
             computed first, so that this one reuses its blocks instead of computing them again.
     """
 
     tokens: List[int]
     prompt_logprobs: bool = False
+    reuse_prefix: bool = True
     after: Optional["Sequence"] = None
     seq_id: int = field(default_factory=itertools.count().__next__)
     status: str = WAITING
@@ -217,7 +220,7 @@ class Scheduler:
         """Give a sequence blocks for every token it has, reusing cached prefixes; False if they do not fit."""
         pool = self.pool
         # At least the last token is fed: its logits choose the next one.
-        limit = 0 if seq.prompt_logprobs else len(seq.tokens) - 1
+        limit = 0 if seq.prompt_logprobs or not seq.reuse_prefix else len(seq.tokens) - 1
         full, partial = pool.lookup(seq.tokens, limit)
         new = pool.blocks_for(len(seq.tokens)) - len(full)
         # Cached blocks nobody holds count as available until this sequence takes them.
