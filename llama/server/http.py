@@ -319,6 +319,8 @@ class _EventStream(Response):
                 tail = b"data: [DONE]\n\n"
             except ApiError as e:
                 tail = _sse(e.body())
+            except ClientGone:
+                raise  # not a failure: nobody to tell (and nothing to log)
             except Exception as e:  # never a traceback on the wire
                 _log_exception(self.run.state, e)
                 tail = _sse(error_body(f"internal error: {type(e).__name__}", "server_error"))
