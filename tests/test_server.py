@@ -279,6 +279,7 @@ def test_a_client_that_disconnects_frees_its_sequence(server):
     # Freed long before its 180 tokens: it would otherwise have run to the end.
     assert m["llama_kv_generation_tokens_total"] - before["llama_kv_generation_tokens_total"] < 150
     assert any("client disconnected" in line for line in server.lines)
+    assert not any("internal error" in line for line in server.lines)  # a client leaving is not the server failing
 
 
 def test_ignore_eos_runs_to_max_tokens_as_generate_does(server, llama):
@@ -395,6 +396,7 @@ def test_health_and_routes_answer_503_while_the_model_loads():
 
 @pytest.mark.slow
 def test_sigterm_ends_requests_in_flight_and_exits_0(ckpt):
+    """Without a KV cache too (tests/test_shutdown.py has the cache, waiting requests and Ctrl-C)."""
     s = Server(ckpt, "--shutdown-grace", "1", "--no-kv-cache")
     body = {"prompt": "Once upon a time", "max_tokens": 230, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
@@ -403,7 +405,7 @@ def test_sigterm_ends_requests_in_flight_and_exits_0(ckpt):
         start = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line.startswith("data:")]
-    assert rest[-1] == "data: [DONE]" or json.loads(rest[-1][5:])["error"]["code"] == "shutting_down"
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["choices"][0]["finish_reason"] == "length"
     assert s.proc.wait(60) == 0 and time.monotonic() - start < 30
     assert any("stopping" in line for line in s.lines) and s.lines[-1].endswith("stopped")
 

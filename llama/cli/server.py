@@ -1,10 +1,11 @@
 """llama-server: an OpenAI-compatible HTTP server that batches requests continuously over one shared KV cache.
 
 It listens at once and loads the model in the background (GET /health answers 503 until it is ready),
-then prints the URL. Ctrl-C or SIGTERM stops taking requests, gives those in flight a few seconds to
-finish (then ends them with an error event), and exits 0. Under torchrun the model is split over the
-processes as every command splits it: rank 0 serves and schedules, the others run each step on their slices
-(llama/server/ranks.py).
+then prints the URL. Ctrl-C or SIGTERM stops taking requests (new connections are refused), answers those
+still waiting for room 503, gives those running --shutdown-grace seconds to finish, then ends them as
+max_tokens would (finish_reason "length", and a stream's `data: [DONE]`), and exits 0. Under torchrun the
+model is split over the processes as every command splits it: rank 0 serves and schedules, the others run
+each step on their slices (llama/server/ranks.py).
 """
 
 import os
@@ -95,7 +96,9 @@ def main(
             Same answers, slower: to measure and to teach.
         no_webui: do not serve the chat page at / (then GET / is 404, as any unknown path).
         model_name: the model's id in responses and /v1/models; default: the checkpoint directory's name.
-        shutdown_grace: seconds requests in flight get to finish after Ctrl-C or SIGTERM.
+        shutdown_grace: seconds running requests get to finish after Ctrl-C or SIGTERM; those still running
+            then end with what they have, finish_reason "length" (cut short, as by max_tokens). Waiting ones
+            get 503 at once.
         device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         quantize: int8 or int4: hold every linear layer's weights quantized as they load.

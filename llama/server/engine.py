@@ -18,7 +18,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
 import torch
 
 from llama.server.runner import Result, Row, Runner, Sampler
-from llama.server.scheduler import Scheduler, Sequence
+from llama.server.scheduler import WAITING, Scheduler, Sequence
 from llama.server.text import TextState
 
 
@@ -40,7 +40,7 @@ class Delta:
     index: int
     text: str = ""
     logprobs: List[TokenLogprob] = field(default_factory=list)
-    finish_reason: Optional[str] = None  # "stop" or "length" on a choice's last delta
+    finish_reason: Optional[str] = None  # "stop" or "length" (max_tokens, or cut by the shutdown) on a choice's last delta
 
 
 @dataclass
@@ -122,7 +122,8 @@ class Engine:
         self._wake = threading.Condition()
         self._choices: Dict[Sequence, _Choice] = {}
         self._accepting = True
-        self._deadline: Optional[float] = None  # when draining: jobs still running then are ended
+        self._deadline: Optional[float] = None  # when draining: jobs still running then are cut short
+        self._refused_waiting = False  # when draining: jobs that never ran have been sent away
         self._thread: Optional[threading.Thread] = None
         # Counters for /metrics.
         self.prompt_tokens_total = 0
@@ -170,7 +171,8 @@ class Engine:
         return len(waiting) + sum(1 for kind, _ in list(self._inbox) if kind == "submit")
 
     def stop_accepting(self, grace: float) -> None:
-        """Take no new jobs; end those still running after `grace` seconds (from any thread, at once)."""
+        """Take no new jobs, fail those that have not started (503), and after `grace` seconds end those still
+        running as if they had reached max_tokens (finish reason "length"). From any thread; returns at once."""
         with self._wake:
             self._accepting = False
             deadline = time.monotonic() + grace
@@ -192,7 +194,7 @@ class Engine:
                     return
             except Exception as e:  # a bug here must not stop the server: the jobs in flight end, the loop goes on
                 self._report("the serving loop failed", e)
-                for job in {id(c.job): c.job for c in self._choices.values()}.values():
+                for job in self._jobs():
                     try:
                         self._fail(job, Failed(f"the server failed on this request: {type(e).__name__}"))
                     except Exception as again:
@@ -214,14 +216,34 @@ class Engine:
             except Exception as e:
                 self._report("a request could not be queued", e)
                 self._fail(job, Failed(f"the server could not queue this request: {type(e).__name__}: {e}"))
+        if not self._accepting and not self._refused_waiting:
+            self._refuse_waiting()
         if self._deadline is not None and time.monotonic() > self._deadline:
-            for job in {id(c.job): c.job for c in self._choices.values()}.values():
-                self._fail(job, Failed("the server shut down before this request finished", 503))
+            for job in self._jobs():
+                self._cut(job)
         if not self._accepting and not self.scheduler.has_work and not self._inbox:
             return True
         if self.scheduler.has_work:
             self._step()
         return False
+
+    def _jobs(self) -> List[Job]:
+        """The jobs with a choice still unfinished, each once."""
+        return list({id(c.job): c.job for c in self._choices.values()}.values())
+
+    def _refuse_waiting(self) -> None:
+        """Shutting down: a job none of whose choices ever ran gets 503 at once, so its client can go elsewhere."""
+        self._refused_waiting = True
+        for job in self._jobs():
+            if all(seq.status == WAITING and seq.preemptions == 0 for seq in job.sequences):
+                self._fail(job, Failed("the server is shutting down; this request had not started", 503))
+
+    def _cut(self, job: Job) -> None:
+        """The shutdown's grace is over: every unfinished choice ends here, as a max_tokens cut ends it ("length")."""
+        for seq in list(job.sequences):
+            choice = self._choices.get(seq)
+            if choice is not None:
+                self._end(seq, choice, choice.text.finish(), "length")
 
     def _report(self, what: str, e: Exception) -> None:
         self.log(f"llama-server: {what}: {type(e).__name__}: {e}\n" + "".join(traceback.format_exception(e)).rstrip())

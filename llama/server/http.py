@@ -1,7 +1,8 @@
 """The HTTP room: OpenAI's routes on Starlette, requests checked, answered and streamed, and never a tensor touched.
 
 A request is checked (llama/server/openai_api.py), becomes one engine job per prompt, and is answered
-from the job's events: whole, or as Server-Sent Events while they come. A client that leaves cancels its
+from the job's events: whole, or as Server-Sent Events while they come. A stream's headers wait for its
+first event, so a request refused before it ran (the server stopping) gets its status, 503, not a 200. A client that leaves cancels its
 jobs at once, streaming or not. Every error leaves in OpenAI's one shape; nothing a client sends can
 show it a traceback or stop the server from serving the next request. `GET /` is the chat page
 (llama/server/webui/index.html), a static file that talks to the same API.
@@ -104,7 +105,7 @@ async def _chat(state: ServerState, request: Request) -> Response:
     run = _Run(state, params, request, chat=True)
     rid, created = new_id("chatcmpl"), now()
     if params.stream:
-        return _EventStream(run, _chat_chunks(state, run, params, rid, created))
+        return await _stream(run, _chat_chunks(state, run, params, rid, created))
     texts, logprobs, reasons = await _collect(run, params.n)
     choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                 "logprobs": chat_logprobs(state.tokenizer, logprobs[i]) if params.logprobs is not None else None,
@@ -119,7 +120,7 @@ async def _completions(state: ServerState, request: Request) -> Response:
     run = _Run(state, params, request, chat=False)
     rid, created = new_id("cmpl"), now()
     if params.stream:
-        return _EventStream(run, _completion_chunks(state, run, params, rid, created))
+        return await _stream(run, _completion_chunks(state, run, params, rid, created))
     texts, logprobs, reasons = await _collect(run, len(params.prompts) * params.n)
     choices = []
     for i in range(len(texts)):
@@ -145,6 +146,7 @@ class _Run:
         self.done: Dict[int, Done] = {}
         self.prompt_logprobs: Dict[int, list] = {}
         self.watcher: Optional[asyncio.Task] = None
+        self.head: Optional[tuple] = None  # the first event, when `started` took it off the queue
         engine = state.engine
         for k, prompt in enumerate(params.prompts):
             room = state.max_seq_len - len(prompt)
@@ -197,18 +199,33 @@ class _Run:
             ApiError: the engine could not finish a job.
         """
         while len(self.done) < len(self.jobs):
-            k, event = await self.queue.get()
-            if k is _GONE:
-                self.request.scope["llama_kv.note"] = "client disconnected"
-                raise ClientGone()
-            if isinstance(event, Failed):
-                raise ApiError(event.status, event.message, code="server_error" if event.status == 500 else "shutting_down")
+            if self.head is not None:
+                (k, event), self.head = self.head, None
+            else:
+                k, event = self._raise_for(*await self.queue.get())
             if isinstance(event, Done):
                 self.done[k] = event
                 self.request.scope["llama_kv.usage"] = self.usage()
             elif isinstance(event, PromptLogprobs):
                 self.prompt_logprobs.setdefault(k, []).extend(event.logprobs)
             yield k, event
+
+    async def started(self) -> None:
+        """Wait for the first event, so that a stream refused before it ran (a shutdown) gets an HTTP status
+        instead of a 200 and an error event; that event is then the first `events` yields.
+
+        Raises:
+            ClientGone, ApiError: as `events` does.
+        """
+        self.head = self._raise_for(*await self.queue.get())
+
+    def _raise_for(self, k, event):
+        if k is _GONE:
+            self.request.scope["llama_kv.note"] = "client disconnected"
+            raise ClientGone()
+        if isinstance(event, Failed):
+            raise ApiError(event.status, event.message, code="server_error" if event.status == 500 else "shutting_down")
+        return k, event
 
     def close(self) -> None:
         """Cancel whatever is unfinished, and stop watching for the client."""
@@ -286,8 +303,20 @@ async def _completion_chunks(state: ServerState, run: _Run, params: Params, rid:
         yield {**base, "choices": [], "usage": run.usage()}
 
 
+async def _stream(run: _Run, chunks: AsyncIterator[Dict[str, Any]]) -> "_EventStream":
+    """The stream, once its first event has come: until then a refusal can still be an HTTP status."""
+    try:
+        await run.started()
+    except BaseException:
+        await chunks.aclose()
+        run.close()
+        raise
+    return _EventStream(run, chunks)
+
+
 class _EventStream(Response):
-    """Server-Sent Events: one `data:` line per chunk, then `data: [DONE]`; an error ends it as an error event."""
+    """Server-Sent Events: one `data:` line per chunk, then `data: [DONE]`; an error after the first chunk (a
+    model failure; a second prompt refused at shutdown while the first ran) ends it as an error event."""
 
     def __init__(self, run: _Run, chunks: AsyncIterator[Dict[str, Any]]):
         self.run, self.chunks = run, chunks
@@ -304,6 +333,8 @@ class _EventStream(Response):
                 tail = b"data: [DONE]\n\n"
             except ApiError as e:
                 tail = _sse(e.body())
+            except ClientGone:
+                raise  # not a failure: nobody to tell (and nothing to log)
             except Exception as e:  # never a traceback on the wire
                 _log_exception(self.run.state, e)
                 tail = _sse(error_body(f"internal error: {type(e).__name__}", "server_error"))
