@@ -10,6 +10,7 @@ import sys
 from collections import namedtuple
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -334,6 +335,22 @@ def test_every_command_takes_m(sources, tmp_path, command):
     result = run(command, "-m", src, *args, input="hello\n" if command == "llama-chat" else None)
     assert result.returncode == 0, result.stderr
     assert "llama-convert" not in result.stderr
+
+
+def test_llama_server_takes_m(sources):
+    from test_server import Server
+
+    src = sources[0]["gguf"]
+    resolve_checkpoint(src)
+    server = Server(None, "-m", src, max_seq_len=64)
+    try:
+        assert server.url is not None, "\n".join(server.lines)
+        assert httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"] == src.name
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        assert server.stop() == 0
+    assert not any("llama-convert" in line for line in server.lines)
 
 
 def test_model_flag_mistakes_are_one_line(sources, tmp_path, home):

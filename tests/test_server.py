@@ -36,7 +36,8 @@ class Server:
 
     def __init__(self, ckpt, *flags, max_seq_len: int = MAX_SEQ_LEN,
                  launcher=(sys.executable, "-m", "llama.cli.server")):
-        cmd = [*launcher, "--ckpt-dir", str(ckpt), "--port", "0", "--max-seq-len", str(max_seq_len), *map(str, flags)]
+        model = ["--ckpt-dir", str(ckpt)] if ckpt is not None else []  # None: the flags name it
+        cmd = [*launcher, *model, "--port", "0", "--max-seq-len", str(max_seq_len), *map(str, flags)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": ""}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
         self.lines, self.ready = [], threading.Event()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Union
 
 from llama.cli.common import EXIT_ERROR, fail, run
-from llama.cli.loading import build_from_flags
+from llama.cli.loading import build_from_flags, model_flag
 from llama.devices import available_memory
 from llama.download import DEFAULT_MODEL
 from llama.errors import LlamaError
@@ -67,6 +67,7 @@ def main(
     quantize: str = None,
     quant_kernels: str = "integer",
     compile: bool = False,
+    model: str = None,
 ):
     """Serve a LLaMA model over OpenAI's HTTP API, batching requests continuously.
 
@@ -78,7 +79,8 @@ def main(
             -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
 
     Args:
-        ckpt_dir: checkpoint directory in Meta's layout; default: the default model, fetched on first use.
+        ckpt_dir: checkpoint directory in Meta's layout, a GGUF file or a Hugging Face folder (converted once);
+            default: the default model, fetched on first use.
         tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
         host: address to listen on; 0.0.0.0 serves other machines too (set --api-key then).
         port: port to listen on; 0 picks a free one (the ready line names it).
@@ -106,6 +108,8 @@ def main(
             llama-generate).
         compile: compile the batched decode step with torch.compile before serving (prompt chunks run eagerly);
             slower to start, faster per token. Needs a C++ compiler on the CPU; not with --no-kv-cache.
+        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE): a checkpoint directory, a GGUF file or a
+            Hugging Face folder.
     """
     for name, value, low in (("--port", port, 0), ("--parallel", parallel, 1), ("--max-seq-len", max_seq_len, 2),
                              ("--block-size", block_size, 1), ("--prefill-chunk", prefill_chunk, 1),
@@ -115,6 +119,7 @@ def main(
     if port > 65535:
         fail(f"--port must be at most 65535, not {port}")
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    ckpt_dir = model_flag(ckpt_dir, model)
     settings = dict(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len, parallel=parallel,
                     kv_cache_size=kv_cache_size, block_size=block_size, no_kv_cache=no_kv_cache, device=device,
                     dtype=dtype, quantize=quantize, quant_kernels=quant_kernels, compile=compile)
