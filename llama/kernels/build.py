@@ -92,7 +92,8 @@ def build_and_load(progress: Optional[Progress] = None) -> Path:
         from torch.utils.cpp_extension import load
 
         directory.mkdir(parents=True, exist_ok=True)
-        flags = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off"]
+        # No -std: torch adds the standard its own headers need (C++17 up to torch 2.13, C++20 from 2.14).
+        flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
         try:
             with step(or_silent(progress), BUILD_NOTE):
                 load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
