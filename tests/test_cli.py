@@ -92,6 +92,22 @@ def test_stats_reports_the_phases_of_the_run_within_its_wall_time(nonstop_ckpt):
     assert abs(prefill - prefill_ms / 1000) <= 0.0051  # the same measurement as the prefill line's
 
 
+def test_start_up_loads_no_module_the_default_run_does_not_use():
+    """torch._dynamo (1-2 s, pulled in by random init on the meta device), SentencePiece (the default model has a
+    tokenizer.json) and safetensors (prompt-cache files only) stay out of a plain run's start-up."""
+    code = (
+        "import sys, torch\n"
+        "import llama.cli.generate\n"
+        "from llama.model import ModelArgs, Transformer\n"
+        "with torch.device('meta'):\n"
+        "    Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=100))\n"
+        "print(' '.join(m for m in ('torch._dynamo', 'sentencepiece', 'safetensors') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
+
+
 def test_streaming_prints_exactly_the_final_text(nonstop_ckpt):
     for extra in ([], ["--echo"]):
         streamed = generate(nonstop_ckpt, "--prompt", PROMPT, "--stream", *extra)
