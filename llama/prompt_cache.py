@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as safetensors_bytes
 
 from llama.chat_format import Message
 from llama.errors import LlamaError
@@ -94,6 +92,8 @@ def save_prompt_cache(path: Path, session: Session, identity: str, described: st
     }
     if dialog is not None:
         metadata["dialog"] = dialog_json
+    from safetensors.torch import save as safetensors_bytes  # here: most runs never save a prompt cache
+
     return write_atomically(Path(path), safetensors_bytes(tensors, metadata=metadata))
 
 
@@ -107,6 +107,8 @@ def load_prompt_cache(path: Path, identity: str, n_layers: int) -> PromptCache:
     path = Path(path)
     if not path.is_file():
         raise PromptCacheError(f"prompt cache {path} does not exist")
+    from safetensors import safe_open  # here: most runs never read a prompt cache
+
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}

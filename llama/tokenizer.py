@@ -13,12 +13,13 @@ Every key is optional. Without the file a SentencePiece model behaves as Meta's 
 """
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
-
-from sentencepiece import SentencePieceProcessor
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from llama.errors import LlamaError
 from llama.files import read_json_object
+
+if TYPE_CHECKING:
+    from sentencepiece import SentencePieceProcessor
 
 CONFIG_NAME = "tokenizer_config.json"
 CHAT_FORMATS = ("llama2", "chatml")
@@ -40,7 +41,7 @@ class Tokenizer:
             raise LlamaError(f"tokenizer file {path} does not exist")
         self.path = path
         config = read_tokenizer_config(path.parent / CONFIG_NAME)
-        self.sp_model: Optional[SentencePieceProcessor] = None
+        self.sp_model: Optional["SentencePieceProcessor"] = None
         self.hf_tokenizer = None
         if path.suffix == ".json":
             self._load_hf(path)
@@ -60,6 +61,8 @@ class Tokenizer:
         self.default_system_prompt: Optional[str] = config.get("default_system_prompt")
 
     def _load_sentencepiece(self, path: Path) -> None:
+        from sentencepiece import SentencePieceProcessor  # here: a tokenizer.json (the default model's) needs none
+
         self.sp_model = SentencePieceProcessor()
         try:
             self.sp_model.Load(str(path))

@@ -8,8 +8,10 @@ import io
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,6 +71,41 @@ def test_stats_reports_prefill_decode_and_cache_bytes(gqa_ckpt):
     assert "prefill:" in cached.stderr and "tokens/s" in cached.stderr
     assert "kv cache bytes:  0" in uncached.stderr
     assert "kv cache bytes:  0" not in cached.stderr and "kv cache bytes:" in cached.stderr
+
+
+def test_stats_reports_the_phases_of_the_run_within_its_wall_time(nonstop_ckpt):
+    start = time.perf_counter()
+    result = generate(nonstop_ckpt, "--prompt", PROMPT, "--stats")
+    wall = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr
+    phases = [line for line in result.stderr.splitlines() if line.startswith("phases:")]
+    assert len(phases) == 1, result.stderr
+    match = re.fullmatch(r"phases: +import ([\d.]+) s, load ([\d.]+) s, prefill ([\d.]+) s, decode ([\d.]+) s",
+                         phases[0])
+    assert match, phases[0]
+    start_up, load, prefill, decode = (float(x) for x in match.groups())
+    assert start_up > 0  # Python and torch's import take time on any machine
+    assert min(load, prefill, decode) >= 0
+    # Four figures rounded to 0.01 s, and a process start that /proc gives to the 0.01 s tick below it.
+    assert start_up + load + prefill + decode <= wall + 4 * 0.005 + 0.01
+    prefill_ms = float(re.search(r"prefill: +([\d.]+) ms", result.stderr).group(1))
+    assert abs(prefill - prefill_ms / 1000) <= 0.0051  # the same measurement as the prefill line's
+
+
+def test_start_up_loads_no_module_the_default_run_does_not_use():
+    """torch._dynamo (1-2 s, pulled in by random init on the meta device), SentencePiece (the default model has a
+    tokenizer.json) and safetensors (prompt-cache files only) stay out of a plain run's start-up."""
+    code = (
+        "import sys, torch\n"
+        "import llama.cli.generate\n"
+        "from llama.model import ModelArgs, Transformer\n"
+        "with torch.device('meta'):\n"
+        "    Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=100))\n"
+        "print(' '.join(m for m in ('torch._dynamo', 'sentencepiece', 'safetensors') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
 
 
 def test_streaming_prints_exactly_the_final_text(nonstop_ckpt):

@@ -5,8 +5,9 @@ import inspect
 import os
 import re
 import sys
+import time
 import traceback
-from typing import Callable, List, NoReturn, Sequence
+from typing import Callable, List, NoReturn, Optional, Sequence
 
 import fire
 
@@ -38,6 +39,21 @@ def fail(message: str) -> NoReturn:
     """Print `message` as the command's one-line error (in its flags' terms) and exit non-zero."""
     print(f"error: {as_flags(message)}", file=sys.stderr)
     sys.exit(EXIT_ERROR)
+
+
+def seconds_since_start() -> Optional[float]:
+    """Wall-clock seconds since this process started, or None where the system does not say (Linux's /proc does).
+
+    Counted from the process's start rather than from a line of this package, so that the figure holds the
+    interpreter's start and every import before a command's `main` runs, torch's included.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22, starttime, in clock ticks since boot; the command name before it may hold spaces and ")".
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):  # no /proc, or no CLOCK_BOOTTIME (not Linux)
+        return None
 
 
 def quote_raw_strings(argv: List[str], flags: Sequence[str]) -> List[str]:

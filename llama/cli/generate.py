@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from llama.cli.common import as_flags, fail, run
+from llama.cli.common import as_flags, fail, run, seconds_since_start
 from llama.cli.loading import build_from_flags, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
@@ -90,7 +90,9 @@ def main(
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         logprobs: also report each generated token's log-probability (with --json or --stats).
         json: print one JSON object per prompt (text, token ids, logprobs if asked, timings).
-        stats: print prompt tokens, prefill time, decode tokens/s and KV-cache bytes to stderr.
+        stats: print prompt tokens, prefill time, decode tokens/s and KV-cache bytes to stderr, and the seconds
+            each phase of the run took: start-up (Python and the imports), loading (model, weights, tokenizer),
+            prefill (to the first new token) and decode.
         stream: print text as it is generated; default: when printing one prompt to a terminal.
         truncate: cut prompts that are too long from the left (keeping bos) so that max_gen_len new
             tokens fit in max_seq_len, but never to less than half of max_seq_len; without it a prompt
@@ -109,6 +111,7 @@ def main(
             rounding).
         model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
+    import_s = seconds_since_start()
     ckpt_dir = model_flag(ckpt_dir, model)
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
@@ -122,8 +125,10 @@ def main(
     if prompt_cache is not None:
         check_writable(Path(str(prompt_cache)))
 
+    load_start = time.perf_counter()
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile, quantize,
                              quant_kernels)
+    load_s = time.perf_counter() - load_start
     if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")
     tokenizer = llama.tokenizer
@@ -181,6 +186,7 @@ def main(
                 print()
     if stats:
         generated = [len(t) - (len(p) if echo else 0) for t, p in zip(out_tokens, prompt_tokens)]
+        started = "n/a" if import_s is None else f"{import_s:.2f} s"
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
             f"compiled:        {f'yes, in {llama.info.compile_seconds:.1f} s' if compile else 'no'}",
@@ -192,6 +198,8 @@ def main(
             f"decode:          {timings['decode_tokens_per_s']:.2f} tokens/s per sequence",
             f"total:           {timings['total_s']:.2f} s",
             f"kv cache bytes:  {llama.last_kv_cache_bytes:,}",
+            f"phases:          import {started}, load {load_s:.2f} s, "
+            f"prefill {timings['prefill_s']:.2f} s, decode {timings['decode_s']:.2f} s",
         ]
         if cached is not None:
             lines.insert(3, f"prompt cache:    {cached.session.last_reused} tokens reused, "
