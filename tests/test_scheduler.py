@@ -98,27 +98,25 @@ def test_reuse_compares_token_ids_and_always_feeds_the_last_token():
     check_accounting(sched)
 
 
-def test_echoed_prompt_logprobs_reuse_nothing():
+def same_prompt_again(**second):
+    """A scheduler that computed a prompt of 8 tokens, then the step that feeds a second sequence the same prompt,
+    made with `second`'s options: (scheduler, cache, second sequence, step)."""
     sched = Scheduler(num_blocks=16, block_size=4, max_running=4, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    a = Sequence([1, 2, 3, 4, 5, 6, 7, 8])
-    sched.add(a)
+    sched.add(Sequence([1, 2, 3, 4, 5, 6, 7, 8]))
     run_step(sched, cache)
-    b = Sequence([1, 2, 3, 4, 5, 6, 7, 8], prompt_logprobs=True)
+    b = Sequence([1, 2, 3, 4, 5, 6, 7, 8], **second)
     sched.add(b)
-    step = run_step(sched, cache)
+    return sched, cache, b, run_step(sched, cache)
+
+
+def test_echoed_prompt_logprobs_reuse_nothing():
+    _, _, b, step = same_prompt_again(prompt_logprobs=True)
     assert b.cached_tokens == 0 and step.pieces[-1].all_logits and step.pieces[-1].n == 8
 
 
 def test_a_sequence_that_may_not_reuse_computes_its_whole_prompt_and_still_leaves_it_cached():
-    sched = Scheduler(num_blocks=16, block_size=4, max_running=4, prefill_chunk=64)
-    cache = FakeCache(sched.pool)
-    a = Sequence([1, 2, 3, 4, 5, 6, 7, 8])
-    sched.add(a)
-    run_step(sched, cache)
-    b = Sequence([1, 2, 3, 4, 5, 6, 7, 8], reuse_prefix=False)
-    sched.add(b)
-    step = run_step(sched, cache)
+    sched, cache, b, step = same_prompt_again(reuse_prefix=False)
     assert b.cached_tokens == 0 and (step.pieces[-1].start, step.pieces[-1].n) == (0, 8) and not step.copies
     assert not step.pieces[-1].all_logits
     c = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
