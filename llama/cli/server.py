@@ -163,10 +163,7 @@ def main(
         raise failure[0]
     if state.engine is not None:
         state.engine.drain(0)
-        from llama.server.ranks import LeaderRunner
-
-        if isinstance(state.engine.runner, LeaderRunner):
-            state.engine.runner.close()  # the other ranks exit
+        state.engine.runner.close()  # under torchrun the other ranks exit
     print("llama-server: stopped", file=sys.stderr, flush=True)
 
 

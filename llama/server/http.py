@@ -2,8 +2,8 @@
 
 A request is checked (llama/server/openai_api.py), becomes one engine job per prompt, and is answered
 from the job's events: whole, or as Server-Sent Events while they come. A stream's headers wait for its
-first event, so a request refused before it ran (the server stopping) gets its status, 503, not a 200. A client that leaves cancels its
-jobs at once, streaming or not. Every error leaves in OpenAI's one shape; nothing a client sends can
+first event, so a request refused before it ran (the server stopping) gets its status, 503, not a 200. A
+client that leaves cancels its jobs at once, streaming or not. Every error leaves in OpenAI's one shape; nothing a client sends can
 show it a traceback or stop the server from serving the next request. `GET /` is the chat page
 (llama/server/webui/index.html), a static file that talks to the same API.
 """
@@ -403,11 +403,11 @@ class _CheckKey:
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
+        self.open_paths = ("/health", "/") if state.webui else ("/health",)
 
     async def __call__(self, scope, receive, send):
         key = self.state.api_key
-        open_paths = ("/health", "/") if self.state.webui else ("/health",)
-        if scope["type"] == "http" and key and scope["path"] not in open_paths:
+        if scope["type"] == "http" and key and scope["path"] not in self.open_paths:
             header = dict(scope["headers"]).get(b"authorization", b"")
             given = header[7:].strip() if header[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(given, key.encode()):

@@ -78,6 +78,10 @@ class Runner:
         if self.compiled is None and _ManyRowsOutput.suits(model.output):
             model.output = _ManyRowsOutput(model.output)
 
+    def close(self) -> None:
+        """Once the engine has stopped: nothing to release in one process (llama/server/ranks.py's runner tells
+        the other ranks to exit)."""
+
     @torch.inference_mode()
     def step(self, copies: Sequence[Tuple[int, int, int]], rows: Sequence[Row]) -> List[Result]:
         """Copy block prefixes, then feed every row; returns one result per row, in order.
