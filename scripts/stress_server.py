@@ -23,7 +23,6 @@ in the server's log.
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -37,6 +36,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import fire
 import httpx
 import openai
+
+from bench_server import free_port, wait_ready  # this folder's, as `python scripts/stress_server.py` runs
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "stress-key"
@@ -256,12 +257,6 @@ def one_round(url: str, clients: int, requests: int, max_tokens: int, max_seq_le
 
 # The server.
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Started:
     """llama-server in a subprocess on a free loopback port, and every line it logs."""
 
@@ -280,17 +275,11 @@ class Started:
             self.lines.append(line.rstrip("\n"))
 
     def wait_ready(self, timeout: float = 1800) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit("llama-server exited:\n" + "\n".join(self.lines[-10:]))
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise SystemExit(f"llama-server was not ready after {timeout:.0f} s")
+        try:
+            wait_ready(self.url, self.proc, timeout)
+        except SystemExit:
+            print("\n".join(self.lines[-10:]), file=sys.stderr)  # why it never came up
+            raise
 
     def stop(self) -> int:
         self.proc.terminate()

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -305,3 +306,11 @@ def without_kernels(llama: Llama) -> Llama:
     model = choose_layer_classes(copy.deepcopy(llama.model), kernels=False)
     assert not any(isinstance(m, (Int8KernelLinear, Int4KernelLinear)) for m in model.modules())
     return Llama(model, llama.tokenizer, info=llama.info)
+
+
+def wait_for(what: str, predicate, timeout: float = 60.0) -> None:
+    """Poll `predicate` until it holds; a bound generous enough that only a hang reaches it."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)

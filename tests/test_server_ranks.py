@@ -9,13 +9,12 @@ import os
 import re
 import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from helpers import BIN, REPO, TORCHRUN, build, write_tiny
+from helpers import BIN, REPO, TORCHRUN, build, wait_for, write_tiny
 from test_server import MAX_SEQ_LEN, Server, ask_question, continuation, solo, solo_chat
 
 pytestmark = pytest.mark.slow  # every test starts torchrun
@@ -43,14 +42,10 @@ def start(ckpt, *flags) -> Server:
 
 
 def follower_pid(server: Server) -> int:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for line in server.lines:
-            match = re.search(r"rank 1 of 2 \(pid (\d+)\)", line)
-            if match:
-                return int(match.group(1))
-        time.sleep(0.1)
-    raise AssertionError("rank 1 never said it was ready:\n" + "\n".join(server.lines))
+    def said():
+        return [m for m in (re.search(r"rank 1 of 2 \(pid (\d+)\)", line) for line in server.lines) if m]
+    wait_for("rank 1 to say it is ready", said)
+    return int(said()[0].group(1))
 
 
 def test_two_processes_give_one_process_answers_and_stop_together(checkpoints, llama):

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from helpers import write_nonstop
+from helpers import wait_for, write_nonstop
 from test_server import Server
 
 GRACE = 1.0
@@ -23,13 +23,6 @@ MAX_TOKENS = 3000  # far more than a tiny model decodes in the grace: running re
 @pytest.fixture(scope="module")
 def nonstop(tmp_path_factory):
     return write_nonstop(tmp_path_factory.mktemp("shutdown") / "nonstop")
-
-
-def wait_for(what, predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.05)
 
 
 class Stream(threading.Thread):
