@@ -18,14 +18,22 @@ _DTYPES = {
 }
 
 
+# The device every command and Llama.build use when none is given (`LLAMA_DEVICE=cpu` keeps a GPU machine's runs
+# on the CPU); unset or empty, CUDA when present, else the CPU.
+DEVICE_ENV = "LLAMA_DEVICE"
+
+
 def resolve_device(device: Optional[Union[str, torch.device]] = None) -> torch.device:
-    """`device`, checked to exist; None picks CUDA when present, else the CPU."""
+    """`device`, checked to exist; None takes $LLAMA_DEVICE, or CUDA when present, else the CPU."""
+    if device is None:
+        device = os.environ.get(DEVICE_ENV) or None
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
-        raise LlamaError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+        where = f" (from {DEVICE_ENV})" if os.environ.get(DEVICE_ENV) == device else ""
+        raise LlamaError(f"unknown device {device!r}{where}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise LlamaError(f"device {device} was asked for, but this machine has no CUDA GPU that torch can use")

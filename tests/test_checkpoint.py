@@ -109,9 +109,15 @@ def test_truncated_weights_are_refused(tmp_path):
         build(path)
 
 
-def test_device_and_dtype_defaults():
+def test_device_and_dtype_defaults(monkeypatch):
+    monkeypatch.setenv("LLAMA_DEVICE", "")
     device = resolve_device(None)
     assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.setenv("LLAMA_DEVICE", "cpu")
+    assert resolve_device(None).type == "cpu"
+    monkeypatch.setenv("LLAMA_DEVICE", "gpu0")
+    with pytest.raises(LlamaError, match=r"unknown device 'gpu0' \(from LLAMA_DEVICE\)"):
+        resolve_device(None)
     assert resolve_dtype(None, torch.device("cpu")) == torch.float32
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     with pytest.raises(LlamaError, match="unknown dtype"):
@@ -128,8 +134,10 @@ def test_cuda_without_a_gpu_is_a_clear_error(gqa_ckpt):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_defaults_to_bf16_and_cache_matches(gqa_ckpt):
+def test_cuda_defaults_to_bf16_and_cache_matches(gqa_ckpt, monkeypatch):
     from llama import Llama
+
+    monkeypatch.setenv("LLAMA_DEVICE", "")  # the default device, not the CPU the other tests keep to
 
     llama = Llama.build(gqa_ckpt, max_seq_len=64, max_batch_size=4)
     assert llama.device.type == "cuda"

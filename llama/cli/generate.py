@@ -189,6 +189,7 @@ def main(
         started = "n/a" if import_s is None else f"{import_s:.2f} s"
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
+            f"device:          {llama.device}",
             f"compiled:        {f'yes, in {llama.info.compile_seconds:.1f} s' if compile else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"
             + (f", on the {llama.info.quant_kernels} kernels" if llama.info.quant_kernels else ""),
