@@ -1,25 +1,26 @@
-"""An opt-in compiled generation step: torch.compile applied to a built model from outside.
+"""The compiled generation step (`compile=True`, `--compile`): compilation applied to a built model from outside.
 
-Only the steps after the prompt are compiled (one token with the KV cache, the growing prefix without
-it); the prompt runs eagerly, so a new prompt length never costs a compilation. Positions, the KV cache's
-length and (without the cache) the prefix length are compiled as symbolic sizes, so one compilation
-serves every step of every later call with the same batch size.
+Only the steps after the prompt are compiled (one token with the KV cache, the growing prefix without it);
+the prompt runs eagerly, so a new prompt length never costs a compilation. On the CPU the one-token step
+with the cache, the one every cached generation spends its time in, comes compiled ahead of time from a
+package stored under $LLAMA_HOME (llama/aot.py): built once per model shape and batch size, then loaded in
+milliseconds by every later process. The rest (the uncached step, and every step on a GPU) goes through
+torch.compile, with positions, the KV cache's length and (without the cache) the prefix length compiled as
+symbolic sizes, so one compilation serves every step of every later call with the same batch size.
 """
 
-import logging
 import os
 import re
-import warnings
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
+from llama.aot import AheadOfTimeStep, Unsupported, quiet_inductor
 from llama.errors import LlamaError
 from llama.kv_cache import KVCache
 from llama.linears import choose_layer_classes
 from llama.model import Transformer
-
-Step = Callable[[torch.Tensor, int, Optional[List[KVCache]], Optional[int]], torch.Tensor]
+from llama.progress import Progress
 
 # Sources (the compiled forward's arguments, as Dynamo names them) whose values change from step to step.
 # Left static, each new value would trigger a compilation, each of them slow (docs/benchmarks.md).
@@ -38,44 +39,70 @@ _DYNAMIC_SOURCES = ",".join([
 RECOMPILE_LIMIT = 64
 
 
-def quiet_inductor() -> None:
-    """Hold back Inductor's messages about its own choices, for the rest of the process: the rotary
-    embedding's complex product, and with the C++ wrapper some view ops, go through slower generic calls.
-    That is its business, not the user's, and it would print them at every compilation."""
-    logging.getLogger("torch._inductor.ir").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
-    # torch 2.15, where a bf16 step reads an int4 layer's float16 scales.
-    warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
+class CompiledStep:
+    """`model.forward` for the steps after the prompt, compiled; it shares the model's weights.
+
+    `ahead_of_time` runs the one-token cached steps on the CPU (None on a GPU); torch.compile runs the rest.
+    """
+
+    def __init__(self, model: Transformer, progress: Optional[Progress] = None):
+        choose_layer_classes(model, compiled=True)
+        self.model = model
+        self._compiled = None  # torch.compile's, made at its first use: making it imports Inductor (seconds)
+        # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
+        # where the step is shortest, for a longer first compilation (scripts/compare_compiled.py; figures in
+        # docs/benchmarks.md). LLAMA_COMPILE_CPP_WRAPPER=0 turns it off, to measure the difference or to work
+        # around a torch bug.
+        self._cpp_wrapper = (model.device.type == "cpu"
+                             and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
+        self.ahead_of_time = AheadOfTimeStep(model, progress) if model.device.type == "cpu" else None
+
+    def __call__(self, tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]],
+                 num_logits: Optional[int] = None) -> torch.Tensor:
+        if self.ahead_of_time is not None and self.ahead_of_time.accepts(tokens, cache, num_logits):
+            try:
+                return self.ahead_of_time(tokens, start_pos, cache, num_logits)
+            except Unsupported:
+                self.ahead_of_time = None  # torch.compile runs every step from here on
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model, fullgraph=True)
+            quiet_inductor()
+        with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES), \
+                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                torch._inductor.config.patch(cpp_wrapper=self._cpp_wrapper):
+            return self._compiled(tokens, start_pos, cache, num_logits=num_logits)
+
+    def describe(self) -> str:
+        """How the step came to be, for --stats: "a stored package, loaded" or "built", or "torch.compile"."""
+        if self.ahead_of_time is None:
+            return "torch.compile"
+        return "ahead of time, " + ("built and stored" if self.ahead_of_time.build_seconds else "loaded from disk")
+
+    @property
+    def notes(self) -> List[str]:
+        return self.ahead_of_time.notes if self.ahead_of_time is not None else []
 
 
-def compile_step(model: Transformer) -> Step:
+def compile_step(model: Transformer, progress: Optional[Progress] = None) -> CompiledStep:
     """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
 
     The model's linear layers become the compiled step's classes in place (llama/linears.py: the same
     weights, the same state_dict, exact eager behaviour). Float weights should be stored as they load
-    (row-major): the reduction reads each row contiguously. The one-token step at batch 1 is compiled here, before returning; other batch sizes,
-    and the uncached step, compile at their first call.
+    (row-major): the reduction reads each row contiguously. The one-token step at batch 1 is ready when this
+    returns: on the CPU loaded from its stored package (built and stored first if there is none, reported to
+    `progress`), on a GPU compiled. Other batch sizes, and the uncached step, are made at their first call.
 
     Raises:
-        LlamaError: torch.compile could not build the step (on the CPU it needs a C++ compiler).
+        LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler).
     """
-    choose_layer_classes(model, compiled=True)
-    compiled = torch.compile(model, fullgraph=True)
-    quiet_inductor()
-    # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
-    # where the step is shortest, for a longer first compilation (scripts/compare_compiled.py; figures in
-    # docs/benchmarks.md). LLAMA_COMPILE_CPP_WRAPPER=0 turns it off, to measure the difference or to work
-    # around a torch bug.
-    cpp_wrapper = (model.device.type == "cpu"
-                   and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
-
-    def step(tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]], num_logits: Optional[int] = None):
-        with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES), \
-                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
-                torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
-            return compiled(tokens, start_pos, cache, num_logits=num_logits)
-
+    step = CompiledStep(model, progress)
     try:
+        if step.ahead_of_time is not None:
+            try:
+                step.ahead_of_time.runner(1)  # loaded from its package, or built and stored first
+                return step
+            except Unsupported:
+                step.ahead_of_time = None
         # Under inference mode, as generate() runs: tensors made outside it would not match the guards.
         with torch.inference_mode():
             tokens = torch.zeros((1, 3), dtype=torch.long, device=model.device)
@@ -86,7 +113,7 @@ def compile_step(model: Transformer) -> Step:
             step(tokens[:, 2:], 2, cache, num_logits=1)
     except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = " (or try LLAMA_COMPILE_CPP_WRAPPER=0)" if cpp_wrapper else ""
-        raise LlamaError(f"compile=True failed: torch.compile could not build the decode step ({reason}); "
+        hint = " (or try LLAMA_COMPILE_CPP_WRAPPER=0)" if step._cpp_wrapper and step.ahead_of_time is None else ""
+        raise LlamaError(f"compile=True failed: the decode step could not be compiled ({reason}); "
                          f"run without compile=True{hint}") from e
     return step

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile import Step, compile_step
+from llama.compile import CompiledStep, compile_step
 from llama.convert.cache import resolve_checkpoint
 from llama.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.distributed import init_distributed
@@ -229,7 +229,8 @@ class Llama:
         llama = Llama(model, tokenizer, seed=seed, info=info)
         if compile:
             compile_start = time.perf_counter()
-            llama.compiled_step = compile_step(model)
+            llama.compiled_step = compile_step(model, progress)
+            info.notes += llama.compiled_step.notes
             info.compile_seconds = time.perf_counter() - compile_start
         info.load_seconds = time.perf_counter() - start
         return llama
@@ -240,7 +241,7 @@ class Llama:
         self.device = model.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.info = info if info is not None else LoadInfo()
-        self.compiled_step: Optional[Step] = None  # set by build(compile=True): runs the steps after the prompt
+        self.compiled_step: Optional[CompiledStep] = None  # set by build(compile=True): runs the steps after the prompt
         self.last_kv_cache_bytes = 0
 
     @torch.inference_mode()

@@ -42,6 +42,16 @@ class KVCache(nn.Module):
         self.register_buffer("cache_k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("cache_v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    @classmethod
+    def wrap(cls, cache_k: torch.Tensor, cache_v: torch.Tensor) -> "KVCache":
+        """A cache over existing (batch, n_kv_heads, max_seq_len, head_dim) tensors, written in place: how an
+        exported step (llama/aot.py) takes its caches as inputs."""
+        cache = cls.__new__(cls)
+        nn.Module.__init__(cache)
+        cache.register_buffer("cache_k", cache_k, persistent=False)
+        cache.register_buffer("cache_v", cache_v, persistent=False)
+        return cache
+
     @property
     def batch_size(self) -> int:
         return self.cache_k.shape[0]

@@ -3,6 +3,7 @@
 Inductor needs a C++ compiler on the CPU; without one these tests skip (as the CUDA tests do without a GPU).
 """
 
+import json
 import os
 import shutil
 
@@ -78,12 +79,56 @@ def test_compile_flag_prints_the_same_text(nonstop_ckpt):
     assert result.stdout == plain.stdout
     # 24 tokens, all of them (this checkpoint's greedy runs never stop early): the text is not empty.
     assert "generated:       24 tokens" in result.stderr and plain.stdout.strip()
-    assert "compiled:        yes, in " in result.stderr
+    assert "compiled:        yes (ahead of time, " in result.stderr
 
 
-def test_a_missing_compiler_is_a_one_line_error(gqa_ckpt):
+def test_a_missing_compiler_is_a_one_line_error(gqa_ckpt, tmp_path):
+    # No stored package either (one built earlier would load without a compiler).
     result = run("llama-generate", "--ckpt-dir", gqa_ckpt, "--prompt", "Hi", "--compile",
-                 env={"CXX": "/nonexistent/c++", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+                 env={"CXX": "/nonexistent/c++", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1",
+                      "LLAMA_COMPILED_DIR": str(tmp_path)})
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: --compile failed: ")
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def _generate_compiled(ckpt, directory):
+    result = run("llama-generate", "--ckpt-dir", ckpt, "--prompt", "The history of", "--temperature", "0",
+                 "--max-gen-len", "24", "--compile", "--stats", env={"LLAMA_COMPILED_DIR": str(directory)})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+BUILDING = "compiling the decode step for batch size 1"
+
+
+def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_damaged(nonstop_ckpt, tmp_path):
+    first = _generate_compiled(nonstop_ckpt, tmp_path)
+    assert BUILDING in first.stderr
+    (entry,) = tmp_path.iterdir()  # one package, in a directory named by its key, and nothing half-written
+    assert sorted(p.name for p in entry.iterdir()) == ["meta.json", "step.pt2"]
+    second = _generate_compiled(nonstop_ckpt, tmp_path)
+    assert BUILDING not in second.stderr and "note:" not in second.stderr
+    assert "compiled:        yes (ahead of time, loaded from disk), in " in second.stderr
+    assert second.stdout == first.stdout == run("llama-generate", "--ckpt-dir", nonstop_ckpt, "--prompt", "The history of",
+                                               "--temperature", "0", "--max-gen-len", "24").stdout
+
+    def damage_package():  # a flipped byte in the generated code
+        data = bytearray((entry / "step.pt2").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (entry / "step.pt2").write_bytes(bytes(data))
+
+    def damage_meta():  # metadata that describes another torch
+        meta = json.loads((entry / "meta.json").read_text())
+        meta["key"]["torch"] = "0.0.1"
+        (entry / "meta.json").write_text(json.dumps(meta))
+
+    for damage, reason in [(damage_package, "does not match its digest"),
+                           (damage_meta, "describes another model, torch or CPU")]:
+        damage()
+        again = _generate_compiled(nonstop_ckpt, tmp_path)
+        assert BUILDING in again.stderr
+        (note,) = [line for line in again.stderr.splitlines() if line.startswith("note:")]
+        assert note.startswith(f"note: the stored compiled step in {entry} was not used (") and reason in note, note
+        assert again.stdout == first.stdout
+    assert [p.name for p in tmp_path.iterdir()] == [entry.name]

@@ -190,7 +190,7 @@ def main(
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
             f"device:          {llama.device}",
-            f"compiled:        {f'yes, in {llama.info.compile_seconds:.1f} s' if compile else 'no'}",
+            f"compiled:        {f'yes ({llama.compiled_step.describe()}), in {llama.info.compile_seconds:.2f} s' if compile else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"
             + (f", on the {llama.info.quant_kernels} kernels" if llama.info.quant_kernels else ""),
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",

@@ -8,6 +8,7 @@ from typing import Optional
 from llama.cli.common import as_flags
 from llama.cli.progress import ProgressPrinter
 from llama.convert.cache import resolve_checkpoint
+from llama.devices import resolve_device
 from llama.download import default_model_dir
 from llama.errors import LlamaError
 from llama.generation import Llama
@@ -23,7 +24,8 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
                      seed: int, device: Optional[str], dtype: Optional[str], compile: bool = False,
                      quantize: Optional[str] = None, quant_kernels: str = "integer") -> Llama:
     ckpt_dir = converted(ckpt_dir) if ckpt_dir is not None else None
-    if compile:
+    if compile and resolve_device(device).type != "cpu":
+        # On the CPU the step comes from a stored package, and building one reports itself (llama/aot.py).
         print("compiling the decode step (--compile): one to two minutes the first time, seconds once Inductor "
               "has it cached on disk", file=sys.stderr, flush=True)
     llama = Llama.build(
