@@ -200,7 +200,9 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             state[name] = tensor
         else:
             # Stored int8 / uint8 values and their float16 scales stay as they are (in bf16 they would be rounded).
-            state[name] = local.to(device)
+            # A rank's slice of columns is a strided view of the file's tensor: copied into rows of its own, as
+            # torch's int8 kernel needs them (a slice of one group is per-channel int8), and the file's pages freed.
+            state[name] = local.to(device).contiguous()
         kept = state.get(name)
         for piece in pieces:
             if kept is None or not _shares_memory(kept, piece):
