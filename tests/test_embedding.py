@@ -21,7 +21,7 @@ import torch
 from gguf_writer import Q, write_llama_gguf
 from helpers import build, generate_json
 from llama.checkpoint import CheckpointReader, expected_shapes, model_args, read_params, save_checkpoint
-from llama.convert.gguf import convert_gguf
+from llama.convert.gguf import convert_gguf, converted_bytes
 from llama.embedding import QuantizedEmbedding
 from llama.identity import model_identity
 from llama.prompt_cache import load_prompt_cache, restore, save_prompt_cache
@@ -128,6 +128,14 @@ def test_the_memory_check_counts_the_embeddings_true_bytes(models):
     vocab, dim = args.vocab_size, args.dim
     assert held["float"] - held["kept"] == vocab * dim * 4 - sum(
         t.nbytes for t in build(ckpt).model.tok_embeddings.state_dict().values())
+
+
+def test_the_disk_estimate_counts_the_kept_embedding(models):
+    """What `-m` says a conversion will take (and checks is free) before it writes: the embedding at its blocks'
+    size (in float32 it would be 40% more here)."""
+    src, ckpt, _ = models
+    written = sum(f.stat().st_size for f in ckpt.iterdir())
+    assert written <= converted_bytes(src) <= written * 1.05
 
 
 def test_a_session_and_a_prompt_cache_answer_as_a_fresh_run(models, tmp_path):
