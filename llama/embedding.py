@@ -59,7 +59,8 @@ class QuantizedEmbedding(nn.Module):
         return rows.to(self.dtype).view(*tokens.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.method}, group_size={self.group_size}, dtype={self.dtype}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, {self.method}, group_size={self.group_size}, "
+                f"dtype={self.dtype}")
 
 
 def swap_embedding(model: nn.Module, method: str, group_size: Optional[int], dtype: torch.dtype) -> nn.Module:

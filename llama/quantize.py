@@ -3,7 +3,8 @@
 `swap_linears` replaces each `nn.Linear` named in a plan with an `Int8Linear` or `Int4Linear`
 (llama/linears.py) holding the tensors of `llama/quant_format.py` as buffers (`weight`, `scales`, `mins`),
 so the quantized model's `state_dict()` is exactly the on-disk layout. The norms stay float, and so does
-the embedding unless the checkpoint stores it quantized (a GGUF's blocks kept; llama/embedding.py swaps it). `model.py` knows none of this; forward hooks (model parallelism's all-reduce and all-gather) move to
+the embedding unless the checkpoint stores it quantized (a GGUF's blocks kept; llama/embedding.py swaps
+it). `model.py` knows none of this; forward hooks (model parallelism's all-reduce and all-gather) move to
 the new layers. Loading then gives each layer the class that multiplies fastest where it runs
 (`linears.choose_layer_classes`).
 
@@ -24,8 +25,8 @@ from torch import nn
 
 from llama.errors import LlamaError
 from llama.linears import HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4Linear, Int8Linear, QuantizedLinear, choose_layer_classes
-from llama.quant_format import (DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, METHODS, Plan, is_linear_weight, quantize_int4,
-                                quantize_int8)
+from llama.quant_format import (DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, METHODS, Plan, is_linear_weight,
+                                quantize_int4, quantize_int8)
 
 # What quantized layers multiply with: "integer" (llama/int_linears.py, where the kernels run) or "exact"
 # (the weight-only paths of llama/linears.py).

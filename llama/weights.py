@@ -44,16 +44,16 @@ def resolve_plan(model: nn.Module, source: CheckpointReader, quantize: Optional[
         LlamaError: `quantize` asks for something other than what a quantized checkpoint holds.
     """
     quantize = check_method(quantize)
-    stored = dict(source.stored_plan)
-    embedding = stored.pop(EMBEDDING_WEIGHT, None)
-    if stored:
-        if quantize is not None and any(m not in (quantize, layer_method(name, quantize)) for name, (m, _) in stored.items()):
+    plan = dict(source.stored_plan)
+    embedding = plan.pop(EMBEDDING_WEIGHT, None)
+    if plan:
+        stored = {name: m for name, (m, _) in plan.items()}
+        if quantize is not None and any(m not in (quantize, layer_method(name, quantize)) for name, m in stored.items()):
             raise LlamaError(f"{source.ckpt_dir} is stored quantized as {describe(source.stored_plan)}; "
                              f"quantize={quantize} would round its weights a second time: leave quantize= out "
                              "to run it as stored, or quantize the float checkpoint")
-        plan = stored
-    else:
-        plan = plan_for(model, quantize) if quantize is not None else {}
+    elif quantize is not None:
+        plan = plan_for(model, quantize)
     if embedding is not None:
         plan[EMBEDDING_WEIGHT] = embedding
     return plan
