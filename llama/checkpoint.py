@@ -229,7 +229,7 @@ class CheckpointReader:
     def _learn_stored_plan(self, full: Dict[str, torch.Size]) -> quant_format.Plan:
         first, plan = self.shards[0], {}
         for name, shape in full.items():
-            method = quant_format.method_of(first, name) if quant_format.is_linear_weight(name) else None
+            method = quant_format.method_of(first, name) if quant_format.may_be_stored_quantized(name) else None
             if method is None:
                 continue
             scales = first[name.removesuffix(".weight") + ".scales"]

@@ -26,7 +26,7 @@ from llama.model import Transformer
 from llama.parallel import parallelize
 from llama.session import Session
 from llama.progress import Progress
-from llama.quant_format import read_record
+from llama.quant_format import is_linear_weight, read_record
 from llama.linears import QuantizedLinear
 from llama.quantize import check_method, check_quant_kernels, describe, plan_for, slow_path_note
 from llama.tokenizer import Tokenizer
@@ -214,7 +214,7 @@ class Llama:
         plan = resolve_plan(model, reader, quantize)
         # Refuse before reading gigabytes that cannot fit.
         dtype, notes = choose_dtype(reader, args, plan, dtype, dtype_given, device, world_size, block_scales)
-        integer = bool(plan) and device.type == "cpu" and quant_kernels == "integer"
+        integer = any(map(is_linear_weight, plan)) and device.type == "cpu" and quant_kernels == "integer"
         if integer and not kernels.load(progress):
             notes.append(f"the int8/int4 integer kernels cannot run here: {kernels.unavailable_reason()}; quantized "
                          "layers run on the exact weight-only paths")

@@ -261,8 +261,9 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype the model computes in: its embedding's (quantized layers widen to it)."""
-        return self.tok_embeddings.weight.dtype
+        """The dtype the model computes in: its final norm's. (Not the embedding's, which a loader may hold
+        quantized; quantized layers widen to this dtype.)"""
+        return self.norm.weight.dtype
 
     def kv_cache_nbytes(self, batch_size: int, max_seq_len: int) -> int:
         """Bytes that `new_kv_cache(batch_size, max_seq_len)` would allocate."""

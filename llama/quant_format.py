@@ -16,6 +16,10 @@ GGUF's block layout with the blocks of a row side by side: a Q8_0 block (d, 32 x
 with group size 32, and a Q4_0 block (d, 32 x 4 bits, w = d * (q - 8)) or Q4_1 block (d, m, w = d * q + m)
 is exactly int4 with group size 32 (Q4_0's min is -8d, a power-of-two multiple, so float16 holds it).
 
+The token embedding `tok_embeddings.weight` (vocab_size, dim) may be stored the same way, a row per token, as
+a GGUF file stores it (its Q8_0, Q4_0 and Q4_1 blocks kept by llama-convert): a model then holds it so and
+dequantizes only the rows its tokens look up (llama/embedding.py).
+
 A checkpoint directory that holds such tensors says so in `quantization.json` (see `RECORD_NAME`); the
 tensors themselves tell int8 from int4 by dtype, so a file may mix the two.
 """
@@ -29,15 +33,19 @@ import torch
 from llama.errors import LlamaError
 
 RECORD_NAME = "quantization.json"
-FORMAT_VERSION = 1
+# 2: the embedding may be quantized too. A checkpoint whose embedding is not says 1, which every version reads.
+FORMAT_VERSION = 2
 METHODS = ("int8", "int4")
 DEFAULT_INT4_GROUP_SIZE = 32  # GGUF's Q4_0 / Q4_1 block: their files convert without loss
 SCALE_DTYPE = torch.float16
 
-# What a model's linear layers hold: weight name -> (method, group size); None is int8 per output channel.
+# What a model's quantized weights hold: weight name -> (method, group size); None is int8 per output channel.
+# The linear layers', and the embedding's where the checkpoint stores it quantized.
 Plan = Dict[str, Tuple[str, Optional[int]]]
 
-# The weights that are quantized: every linear layer's (the embedding stays as it is).
+EMBEDDING_WEIGHT = "tok_embeddings.weight"
+
+# The weights that quantizing a model quantizes: every linear layer's (the embedding stays as it is).
 LINEAR_SUFFIXES = (
     "attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
     "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight",
@@ -47,6 +55,11 @@ LINEAR_SUFFIXES = (
 def is_linear_weight(name: str) -> bool:
     """Whether `name` is the weight of a linear layer, the tensors this format quantizes."""
     return name == "output.weight" or name.endswith(tuple("." + s for s in LINEAR_SUFFIXES))
+
+
+def may_be_stored_quantized(name: str) -> bool:
+    """Whether `name` may be stored in this format: a linear layer's weight, or the embedding."""
+    return name == EMBEDDING_WEIGHT or is_linear_weight(name)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -147,9 +160,9 @@ def quantized_shapes(float_shapes: Dict[str, torch.Size], methods: Dict[str, Tup
     return shapes
 
 
-def write_record(method: str, group_size: Optional[int], source: str) -> bytes:
+def write_record(method: str, group_size: Optional[int], source: str, format_version: int = 1) -> bytes:
     """The bytes of `quantization.json` for a checkpoint quantized with `method` (or "mixed")."""
-    record = {"format_version": FORMAT_VERSION, "method": method, "group_size": group_size, "source": source}
+    record = {"format_version": format_version, "method": method, "group_size": group_size, "source": source}
     return (json.dumps(record, indent=2) + "\n").encode()
 
 
@@ -159,6 +172,8 @@ def record_for(state_dict: Dict[str, torch.Tensor], source: str) -> Optional[byt
     One method and group size throughout gives that method and size (None: one scale per output channel), and
     so does int4 whose output layer is int8 per output channel (what `--quantize int4` writes); anything else
     is "mixed" (each tensor still says what it is: int4 has mins, and the group size is in / scales columns).
+    A quantized embedding counts as any weight does, and makes the record format 2: a version of this tool
+    that reads only 1 would not know what to do with it, and says so rather than failing on its tensors.
     """
     kinds, output = set(), None
     for name, tensor in state_dict.items():
@@ -175,10 +190,11 @@ def record_for(state_dict: Dict[str, torch.Tensor], source: str) -> Optional[byt
         kinds.add(output)
     if not kinds:
         return None
+    version = 2 if EMBEDDING_WEIGHT.removesuffix(".weight") + ".scales" in state_dict else 1
     if len(kinds) == 1:
         (method, group_size), = kinds
-        return write_record(method, group_size, source)
-    return write_record("mixed", None, source)
+        return write_record(method, group_size, source, version)
+    return write_record("mixed", None, source, version)
 
 
 def read_record(ckpt_dir: Path) -> Optional[Dict]:

@@ -2,8 +2,9 @@
 
 `swap_linears` replaces each `nn.Linear` named in a plan with an `Int8Linear` or `Int4Linear`
 (llama/linears.py) holding the tensors of `llama/quant_format.py` as buffers (`weight`, `scales`, `mins`),
-so the quantized model's `state_dict()` is exactly the on-disk layout. The embedding and the norms stay
-float. `model.py` knows none of this; forward hooks (model parallelism's all-reduce and all-gather) move to
+so the quantized model's `state_dict()` is exactly the on-disk layout. The norms stay float, and so does
+the embedding unless the checkpoint stores it quantized (a GGUF's blocks kept; llama/embedding.py swaps
+it). `model.py` knows none of this; forward hooks (model parallelism's all-reduce and all-gather) move to
 the new layers. Loading then gives each layer the class that multiplies fastest where it runs
 (`linears.choose_layer_classes`).
 
@@ -24,7 +25,8 @@ from torch import nn
 
 from llama.errors import LlamaError
 from llama.linears import HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4Linear, Int8Linear, QuantizedLinear, choose_layer_classes
-from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, METHODS, Plan, is_linear_weight, quantize_int4, quantize_int8
+from llama.quant_format import (DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, METHODS, Plan, is_linear_weight,
+                                quantize_int4, quantize_int8)
 
 # What quantized layers multiply with: "integer" (llama/int_linears.py, where the kernels run) or "exact"
 # (the weight-only paths of llama/linears.py).
@@ -83,11 +85,19 @@ def group_size_for(method: str, in_features: int, group_size: Optional[int] = No
 
 def describe(plan: Plan) -> Optional[str]:
     """A short name for a plan: "int8", "int8-g32", "int4-g32, output int8" (`--quantize int4`), "mixed", or None
-    for a float model."""
+    for a float model; a quantized embedding (a GGUF's, kept) adds ", embedding int8-g32" (or is all there is)."""
     kinds = {}
     for name, (method, group_size) in plan.items():
         per_channel = method == "int8" and group_size is None
         kinds[name] = method if per_channel else f"{method}-g{group_size}"
+    embedding = kinds.pop(EMBEDDING_WEIGHT, None)
+    linear = _describe_linear(kinds)
+    if embedding is None:
+        return linear
+    return f"{linear}, embedding {embedding}" if linear else f"embedding {embedding}"
+
+
+def _describe_linear(kinds: Dict[str, str]) -> Optional[str]:
     rest = {kind for name, kind in kinds.items() if name != OUTPUT_WEIGHT}
     if len(rest) == 1 and rest.pop().startswith("int4") and kinds.get(OUTPUT_WEIGHT) == "int8":
         return f"{kinds[next(n for n in kinds if n != OUTPUT_WEIGHT)]}, output int8"  # what --quantize int4 gives
@@ -187,7 +197,7 @@ def slow_path_note(plan: Plan, world_size: int = 1) -> str:
     ways = []
     if world_size == 1:  # compiling runs in one process
         ways.append("compile=True runs them fast and exact")
-    methods = {m for m, _ in plan.values()}
+    methods = {m for name, (m, _) in plan.items() if is_linear_weight(name)}
     if ("int8" not in methods or HAS_INT8_KERNEL) and ("int4" not in methods or HAS_INT4_KERNEL):
         ways.append("dtype=bfloat16 runs torch's int8/int4 kernels, fast, but cached and uncached runs then agree "
                     "only to bf16 rounding")

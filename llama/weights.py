@@ -25,7 +25,8 @@ from llama.devices import available_memory
 from llama.errors import LlamaError
 from llama.model import ModelArgs
 from llama.progress import Progress, or_silent
-from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, Plan, is_linear_weight, quantized_shapes
+from llama.embedding import swap_embedding
+from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, Plan, is_linear_weight, quantized_shapes
 from llama.linears import choose_layer_classes
 from llama.quantize import check_method, describe, layer_method, plan_for, quantize_weight, swap_linears
 from llama.sharding import split_dim
@@ -36,20 +37,26 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_plan(model: nn.Module, source: CheckpointReader, quantize: Optional[str]) -> Plan:
-    """What each linear layer will hold: the checkpoint's own quantization, or the one asked for.
+    """What each linear layer will hold: the checkpoint's own quantization, or the one asked for; and the
+    embedding, quantized where the checkpoint stores it so (whatever `quantize` says: it is never rounded again).
 
     Raises:
         LlamaError: `quantize` asks for something other than what a quantized checkpoint holds.
     """
     quantize = check_method(quantize)
-    if source.stored_plan:
-        stored = {name: m for name, (m, _) in source.stored_plan.items()}
+    plan = dict(source.stored_plan)
+    embedding = plan.pop(EMBEDDING_WEIGHT, None)
+    if plan:
+        stored = {name: m for name, (m, _) in plan.items()}
         if quantize is not None and any(m not in (quantize, layer_method(name, quantize)) for name, m in stored.items()):
             raise LlamaError(f"{source.ckpt_dir} is stored quantized as {describe(source.stored_plan)}; "
                              f"quantize={quantize} would round its weights a second time: leave quantize= out "
                              "to run it as stored, or quantize the float checkpoint")
-        return dict(source.stored_plan)
-    return plan_for(model, quantize) if quantize is not None else {}
+    elif quantize is not None:
+        plan = plan_for(model, quantize)
+    if embedding is not None:
+        plan[EMBEDDING_WEIGHT] = embedding
+    return plan
 
 
 def _quantized_shapes(full_shapes: Dict[str, torch.Size], plan: Plan) -> Dict[str, torch.Size]:
@@ -68,7 +75,7 @@ def model_bytes(full_shapes: Dict[str, torch.Size], plan: Plan, dtype: torch.dty
     if block_scales:
         for name, (method, group) in plan.items():
             out_features, in_features = full_shapes[name]
-            if method == "int8" and group is None and in_features % 32 == 0:
+            if method == "int8" and group is None and in_features % 32 == 0 and is_linear_weight(name):
                 shapes[name.removesuffix(".weight") + ".scales"] = torch.Size((out_features, in_features // 32))
     total = 0
     for name, shape in shapes.items():
@@ -149,7 +156,8 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
 
     Args:
         plan: weight name -> (method, group size) for the linear layers to hold quantized (from the file, or
-            to quantize as they load).
+            to quantize as they load), and for the embedding where the file holds it quantized
+            (llama/embedding.py: its rows dequantized as tokens look them up).
         compiled: lay the weights out for llama/compile.py's step rather than for eager runs. Eager CPU runs
             hold float projections with more outputs than inputs input-major (see
             Transformer.use_column_major_weights); compiled ones keep them row-major for their reductions.
@@ -168,7 +176,9 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             if dim is not None and shape[dim] % world_size:
                 raise LlamaError(f"{source.ckpt_dir}: {name} has {shape[dim]} columns of groups, which do not "
                                  f"split across {world_size} processes; run it in one process")
-    swap_linears(model, {k: v for k, v in plan.items()})
+    swap_linears(model, {k: v for k, v in plan.items() if k != EMBEDDING_WEIGHT})
+    if EMBEDDING_WEIGHT in plan:  # only where the checkpoint stores it quantized: loading never quantizes it
+        swap_embedding(model, *plan[EMBEDDING_WEIGHT], dtype)
     layers = dict(model.named_modules())
     total, state = len(source.shards[0]), {}
     progress("loading weights", 0, total)
@@ -190,7 +200,9 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             state[name] = tensor
         else:
             # Stored int8 / uint8 values and their float16 scales stay as they are (in bf16 they would be rounded).
-            state[name] = local.to(device)
+            # A rank's slice of columns is a strided view of the file's tensor: copied into rows of its own, as
+            # torch's int8 kernel needs them (a slice of one group is per-channel int8), and the file's pages freed.
+            state[name] = local.to(device).contiguous()
         kept = state.get(name)
         for piece in pieces:
             if kept is None or not _shares_memory(kept, piece):

@@ -46,6 +46,7 @@ def write_llama_gguf(
     context_length: int = 128,
     norm_eps: float = 1e-5,
     rope_theta: float = 10000.0,
+    tied: bool = False,
 ) -> Path:
     """Write a random-weight LLaMA GGUF file and return its path.
 
@@ -58,6 +59,8 @@ def write_llama_gguf(
         types: GGML type per tensor kind (keys of MIXED_TYPES), overriding MIXED_TYPES.
         std: standard deviation of the matrices; a large one makes greedy decoding free of near-ties.
         context_length, norm_eps, rope_theta: the remaining llama.* hyperparameters.
+        tied: leave out output.weight, as llama.cpp does for a model whose output layer is its embedding (the
+            default model, SmolLM2, is one).
     """
     path = Path(path)
     kinds = dict(MIXED_TYPES, **(types or {}))
@@ -109,7 +112,8 @@ def write_llama_gguf(
         add(f"blk.{i}.ffn_up.weight", "ffn_up", (hidden, dim))
         add(f"blk.{i}.ffn_down.weight", "ffn_down", (dim, hidden))
     add("output_norm.weight", "output_norm", (dim,))
-    add("output.weight", "output", (len(tokens), dim))
+    if not tied:
+        add("output.weight", "output", (len(tokens), dim))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

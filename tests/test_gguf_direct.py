@@ -214,6 +214,24 @@ def test_a_damaged_entry_is_rebuilt_never_loaded(sources, damage):
     assert [p.name for p in entry.parent.iterdir() if p.name.startswith(".") and p.name != ".locks"] == []
 
 
+def test_an_entry_of_the_previous_format_is_replaced_never_loaded(sources):
+    """Entries converted before the embedding stayed quantized (its float32 copy up to 4x the room) say format 1 in
+    their manifest and sit under a key made with it: the source converts into a new entry and the old one goes."""
+    src = sources[0]["q8_0"]
+    entry = resolve_checkpoint(src)
+    old = entry.with_name("0" * len(entry.name))  # where the previous version's key put it
+    manifest = json.loads((entry / MANIFEST).read_text())
+    manifest.update(format=1, key=old.name, identity={**manifest["identity"], "format": 1})
+    (entry / MANIFEST).write_text(json.dumps(manifest))
+    entry.rename(old)
+    assert entry_damage(old) == f"its {MANIFEST} is from another version or another entry"
+    notes = []
+    assert resolve_checkpoint(src, notice=notes.append) == entry
+    assert notes[0].startswith("converting") and not old.exists()
+    assert_same_files(entry, sources[1]["q8_0"])
+    assert load_shard(entry / "consolidated.00.pth")["tok_embeddings.weight"].dtype == torch.int8  # kept as Q8_0
+
+
 CONCURRENT = r"""
 import json, sys
 import llama.convert.cache as cache
@@ -396,6 +414,17 @@ def test_the_default_models_gguf_runs_directly(real_gguf, home):
     assert "Paris" in json.loads(first.stdout)["text"]
     (entry,) = [p for p in (home / "converted").iterdir() if p.name != ".locks"]
     assert json.loads((entry / "quantization.json").read_text())  # its Q4_1 blocks kept as stored
+    # Its Q8_0 embedding too: the weights take exactly the GGUF's tensor bytes and those of the output layer, which
+    # Meta's layout stores apart from the embedding it is tied to. The files around them (torch.save's records of
+    # 695 tensors, the tokenizer's JSON, the manifest) take 3.6 kB more than the GGUF's header, 0.003%.
+    import gguf
+
+    weights = load_shard(entry / "consolidated.00.pth")
+    assert weights["tok_embeddings.weight"].dtype == torch.int8
+    output = weights["output.weight"].nbytes + weights["output.scales"].nbytes
+    in_gguf = sum(int(t.n_bytes) for t in gguf.GGUFReader(real_gguf).tensors)
+    assert sum(t.nbytes for t in weights.values()) == in_gguf + output
+    assert sum(f.stat().st_size for f in entry.iterdir()) <= (real_gguf.stat().st_size + output) * 1.0001
     before = snapshot(entry)
     again = run("llama-generate", "-m", real_gguf, *args)
     assert again.returncode == 0 and json.loads(again.stdout)["tokens"] == json.loads(first.stdout)["tokens"]

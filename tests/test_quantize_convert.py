@@ -35,8 +35,8 @@ def gguf_tensors(path: Path):
 
 
 def gguf_name(meta_name: str) -> str:
-    if meta_name == "output.weight":
-        return "output.weight"
+    if meta_name in ("output.weight", "tok_embeddings.weight"):
+        return {"output.weight": "output.weight", "tok_embeddings.weight": "token_embd.weight"}[meta_name]
     _, layer, block, proj, _ = meta_name.split(".")
     return f"blk.{layer}.{GGUF_NAMES[f'{block}.{proj}']}.weight"
 
@@ -58,18 +58,15 @@ def test_q8_0_q4_0_q4_1_are_kept_without_any_loss(tmp_path, qtype):
     linear = [n for n in sd if quant_format.is_linear_weight(n)]
     assert len(linear) == 2 * 7 + 1
     expected_method = "int8" if qtype == Q.Q8_0 else "int4"
-    for name in linear:
+    for name in linear + ["tok_embeddings.weight"]:  # the embedding's blocks are kept too (llama/embedding.py)
         assert quant_format.method_of(sd, name) == expected_method, name
         assert sd[f"{name.removesuffix('.weight')}.scales"].dtype == torch.float16
         t_type, data, shape = raw[gguf_name(name)]
         diff = (ours_dequantized(sd, name) - theirs_dequantized(data, t_type, shape)).abs().max().item()
         assert diff == 0, (name, diff)
     record = json.loads((ckpt / quant_format.RECORD_NAME).read_text())
-    assert (record["method"], record["group_size"]) == (expected_method, 32)
-    # The embedding and the norms become float32, the embedding exactly gguf's dequantized values.
-    assert sd["tok_embeddings.weight"].dtype == torch.float32 and sd["norm.weight"].dtype == torch.float32
-    e_type, e_data, e_shape = raw["token_embd.weight"]
-    assert torch.equal(sd["tok_embeddings.weight"], theirs_dequantized(e_data, e_type, e_shape))
+    assert (record["format_version"], record["method"], record["group_size"]) == (2, expected_method, 32)
+    assert sd["norm.weight"].dtype == torch.float32
 
 
 @pytest.mark.parametrize("qtype, method, group, tolerance", [
@@ -261,7 +258,8 @@ def test_the_default_model_converts_to_int4_equal_to_its_own_file(default_gguf, 
     sd, raw = load(ckpt), gguf_tensors(src)
     linear = [n for n in sd if quant_format.is_linear_weight(n)]
     assert sum(quant_format.method_of(sd, n) == "int4" for n in linear) == len(linear) - 1  # all but the output
-    for name in linear:
-        # The output layer is the tied Q8_0 embedding, kept as int8.
+    assert quant_format.method_of(sd, "tok_embeddings.weight") == "int8"
+    for name in linear + ["tok_embeddings.weight"]:
+        # The output layer is the tied Q8_0 embedding, kept as int8 as the embedding itself is.
         t_type, data, shape = raw["token_embd.weight" if name == "output.weight" else gguf_name(name)]
         assert torch.equal(ours_dequantized(sd, name), theirs_dequantized(data, t_type, shape)), name

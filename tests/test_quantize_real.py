@@ -79,7 +79,8 @@ def transformers_tokens():
 
 @pytest.fixture(scope="module")
 def file_quantized(tmp_path_factory):
-    """The default model's GGUF converted keeping its blocks: Q4_1 projections as int4, the Q8_0 output as int8."""
+    """The default model's GGUF converted keeping its blocks: Q4_1 projections as int4, the Q8_0 embedding and output
+    layer as int8."""
     from llama.convert.gguf import convert_gguf
     from llama.download import default_model_gguf
 
@@ -91,7 +92,7 @@ def file_quantized(tmp_path_factory):
 def test_the_models_own_quantized_blocks_give_the_float_models_logits(ckpt_dir, file_quantized):
     """Held as int4/int8 they are the very values the float checkpoint holds widened (measured: logits equal to
     the last bit, both widening to the same float32 values; 2e-5 allows another order of additions)."""
-    assert file_quantized.info.quantization == "mixed"
+    assert file_quantized.info.quantization == "mixed, embedding int8-g32"
     widened = Llama.build(ckpt_dir, max_seq_len=128, max_batch_size=1, device="cpu", dtype="float32")
     ids = torch.tensor([widened.tokenizer.encode(PROMPTS[2], bos=True, eos=False)])
     with torch.inference_mode():

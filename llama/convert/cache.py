@@ -48,7 +48,10 @@ except ImportError:  # Windows: no locks; the rename into place still keeps ever
 
 CACHE_DIR_NAME = "converted"
 MANIFEST = "converted-from.json"
-FORMAT = 1  # bump when the converters' output changes, so that old entries are not used
+# Bump when the converters' output changes, so that old entries are not used: the format is part of the key, so
+# a source gets a new entry, and the old one (found by its source path) is removed once the new one is made.
+# 2: a GGUF's quantized embedding stays quantized (an entry of 1 holds it in float32, up to 4x the room).
+FORMAT = 2
 _WHOLE_BELOW = 4 << 20
 _SAMPLES, _SAMPLE_BYTES = 16, 64 << 10
 _GGUF_HEAD = 8 << 20

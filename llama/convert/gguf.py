@@ -2,10 +2,12 @@
 
 GGUF keeps Meta's order of the q and k rows: llama.cpp's converter permutes Hugging Face weights back to
 the interleaved rotary layout, which is why transformers permutes them again when it loads a GGUF file.
-So the weights need only new names. Linear layers' weights of types Q8_0, Q4_0 and Q4_1 stay quantized,
-exactly (llama/convert/gguf_quant.py), and the k-quants Q6_K, Q4_K and Q5_K become the nearest of our
-formats; other quantized types, and the embedding, become float32 (their exact dequantized values);
-float tensors keep their type.
+So the weights need only new names. Linear layers' weights and the embedding of types Q8_0, Q4_0 and Q4_1
+stay quantized, exactly (llama/convert/gguf_quant.py; a model looks the embedding's rows up in those blocks,
+llama/embedding.py), and linear weights of the k-quants Q6_K, Q4_K and Q5_K become the nearest of our formats;
+other quantized types, and an embedding of a k-quant, become float32 (their exact dequantized values); float
+tensors keep their type. A model with tied embeddings gets an output layer of its own (Meta's layout has no
+tying), held as the embedding's type is.
 """
 
 import json
@@ -111,15 +113,17 @@ def _read_gguf(src: Path, gguf: Any, dequantize: bool, quantize: Optional[str], 
     for i, (name, tensor) in enumerate(tensors):
         type_name = tensor.tensor_type.name
         parts, fate = None, None if tensor.tensor_type in float_types else "dequantized to float32"
-        if quant_format.is_linear_weight(name) and not dequantize and len(tensor.shape) == 2:
-            shape = tuple(int(n) for n in reversed(tensor.shape))
-            kept_as = KEPT_TYPES.get(type_name)
-            if kept_as is not None and quantize in (None, kept_as[0]):
-                parts = keep_quantized(type_name, tensor.data, shape, lambda: _to_torch(tensor, src, gguf))
-                fate = kept_as[2] if parts is not None else "dequantized to float32 (a scale beyond float16's range)"
-            if parts is None and quantize is not None:
-                parts = quantize_tensor(_to_torch(tensor, src, gguf), quantize, name)
-                fate = f"quantized to {quantize}"
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        linear = quant_format.is_linear_weight(name) and not dequantize and len(shape) == 2
+        kept_as = KEPT_TYPES.get(type_name)
+        # The embedding's blocks are kept whatever `quantize` says: they are the file's values exactly.
+        if (linear and kept_as is not None and quantize in (None, kept_as[0])
+                or _keeps_embedding(name, type_name, len(shape), dequantize)):
+            parts = keep_quantized(type_name, tensor.data, shape, lambda: _to_torch(tensor, src, gguf))
+            fate = kept_as[2] if parts is not None else "dequantized to float32 (a scale beyond float16's range)"
+        if linear and parts is None and quantize is not None:
+            parts = quantize_tensor(_to_torch(tensor, src, gguf), quantize, name)
+            fate = f"quantized to {quantize}"
         if parts is not None:
             add_quantized(state_dict, name, parts)
             scales = parts["scales"]
@@ -198,13 +202,20 @@ def converted_bytes(src: Path, layout: Optional[GGUFLayout] = None) -> int:
         except ValueError:
             type_name = None
         meta_name = name if name == "output.weight" else _meta_name(name, Path(src))
-        if quant_format.is_linear_weight(meta_name) and len(dims) == 2 and type_name in KEPT_TYPES:
+        kept = quant_format.is_linear_weight(meta_name) and len(dims) == 2 and type_name in KEPT_TYPES
+        if kept or _keeps_embedding(meta_name, type_name, len(dims), dequantize=False):
             method, group = KEPT_TYPES[type_name][:2]
             # int8: a byte per value, a float16 scale per group; int4: half a byte, a float16 scale and min.
             total += numel + 2 * numel // group if method == "int8" else numel // 2 + 4 * numel // group
         else:
             total += numel * {"F16": 2, "BF16": 2}.get(type_name, 4)
     return total
+
+
+def _keeps_embedding(name: str, type_name: str, n_dims: int, dequantize: bool) -> bool:
+    """Whether a GGUF tensor is the embedding in a type whose blocks are kept: the three that map exactly, so
+    that its rows are the file's very values (a k-quant's nearest format rounds its scales to float16)."""
+    return name == quant_format.EMBEDDING_WEIGHT and type_name in EXACT_TYPES and n_dims == 2 and not dequantize
 
 
 def _ignore(line: str) -> None:

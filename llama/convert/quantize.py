@@ -1,6 +1,6 @@
 """`llama-convert --quantize int8|int4`: float weights quantized one tensor at a time on their way to disk.
 
-Every linear layer's weight (output included; the embedding stays float) becomes int8 with one scale per
+Every linear layer's weight (output included; the embedding stays as it is) becomes int8 with one scale per
 output channel, or int4 with a scale and a minimum per group of 32 columns, in llama/quant_format.py's
 layout. The source is read memory-mapped and each weight is quantized as it is reached, so the whole model
 is never held in float: memory is about the quantized model plus one float32 weight.
