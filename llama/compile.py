@@ -55,7 +55,10 @@ class CompiledStep:
         # around a torch bug.
         self._cpp_wrapper = (model.device.type == "cpu"
                              and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
-        self.ahead_of_time = AheadOfTimeStep(model, progress) if model.device.type == "cpu" else None
+        # LLAMA_COMPILE_AOT=0 compiles with torch.compile in every process instead, as before the packages: to
+        # measure the difference (scripts/compare_transformers.py --torch_compile) or to work around a torch bug.
+        ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0"
+        self.ahead_of_time = AheadOfTimeStep(model, progress) if ahead else None
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]],
                  num_logits: Optional[int] = None) -> torch.Tensor:

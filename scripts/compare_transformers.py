@@ -2,12 +2,14 @@
 
     python scripts/compare_transformers.py [--new_tokens 128,512] [--repeats 3] [--threads 2] [--nocompile]
         [--nollamacpp] [--lcpp_types F32,Q8_0,Q4_0] [--gguf_dir DIR] [--noquantized]
-        [--quant_kernels integer,exact] [--prompt_tokens 512]
+        [--quant_kernels integer,exact] [--prompt_tokens 512] [--torch_compile]
     python scripts/compare_transformers.py --ckpt DIR --lcpp_gguf FILE [--notransformers]  # e.g. 7B-shaped
 
 All load the default model (SmolLM2-135M-Instruct, from the same GGUF) on the CPU and decode greedily at
 batch 1 from the same prompt token ids, each with its KV cache, ignoring stop tokens. Ours runs in float32
-eagerly (the default) and with --compile (compiled before any timing); with --quantize int8 / int4, unless
+eagerly (the default) and with --compile (compiled before any timing: on the CPU the stored package of
+llama/aot.py; --torch_compile adds the step torch.compile makes in the process, as --compile did before);
+with --quantize int8 / int4, unless
 --noquantized, on each of --quant_kernels: "integer" (the integer kernels of llama/kernels, float32 eager
 and compiled, and bf16) and "exact" (the weight-only paths: float32 compiled, bf16 eager and compiled).
 transformers runs in float32. llama.cpp is optional: the `llama_cpp` module of llama-cpp-python built from
@@ -32,6 +34,7 @@ by the memory bandwidth measured here with a large copy.
 import ctypes
 import functools
 import inspect
+import os
 import statistics
 import tempfile
 import time
@@ -152,7 +155,8 @@ def quantized_variants(ckpt, kinds, quant_kernels, compile: bool, build: dict) -
 
 def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool = True, llamacpp: bool = True,
          lcpp_types="F32,Q8_0,Q4_0", gguf_dir: str = None, quantized: bool = True, quant_kernels="integer,exact",
-         ckpt: str = None, lcpp_gguf: str = None, transformers: bool = True, prompt_tokens: int = 0):
+         ckpt: str = None, lcpp_gguf: str = None, transformers: bool = True, prompt_tokens: int = 0,
+         torch_compile: bool = False):
     import transformers as transformers_module
     from llama import Llama
     from llama.download import default_model_dir, default_model_gguf
@@ -172,6 +176,10 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
         ours["ours"] = Llama.build(ckpt, dtype="float32", **build)
         if compile:
             ours["ours --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **build)
+        if torch_compile:  # the compiled step as it was before the stored packages (llama/aot.py)
+            os.environ["LLAMA_COMPILE_AOT"] = "0"
+            ours["ours --compile, torch.compile"] = Llama.build(ckpt, dtype="float32", compile=True, **build)
+            del os.environ["LLAMA_COMPILE_AOT"]
     if quantized and "quantize" in inspect.signature(Llama.build).parameters:  # once this version has --quantize
         kernels_param = "quant_kernels" in inspect.signature(Llama.build).parameters
         ours.update(quantized_variants(ckpt, [None] if stored else ["int8", "int4"],
