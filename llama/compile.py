@@ -45,9 +45,10 @@ class CompiledStep:
     `ahead_of_time` runs the one-token cached steps on the CPU (None on a GPU); torch.compile runs the rest.
     """
 
-    def __init__(self, model: Transformer, progress: Optional[Progress] = None):
+    def __init__(self, model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False):
         choose_layer_classes(model, compiled=True)
         self.model = model
+        self.eager_otherwise = eager_otherwise  # steps the package does not take run eagerly, not torch.compile'd
         self._compiled = None  # torch.compile's, made at its first use: making it imports Inductor (seconds)
         # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
         # where the step is shortest, for a longer first compilation (scripts/compare_compiled.py; figures in
@@ -67,6 +68,8 @@ class CompiledStep:
                 return self.ahead_of_time(tokens, start_pos, cache, num_logits)
             except Unsupported:
                 self.ahead_of_time = None  # torch.compile runs every step from here on
+        if self.eager_otherwise:
+            return self.model(tokens, start_pos, cache, num_logits=num_logits)
         if self._compiled is None:
             self._compiled = torch.compile(self.model, fullgraph=True)
             quiet_inductor()
@@ -76,9 +79,10 @@ class CompiledStep:
             return self._compiled(tokens, start_pos, cache, num_logits=num_logits)
 
     def describe(self) -> str:
-        """How the step came to be, for --stats: "a stored package, loaded" or "built", or "torch.compile"."""
+        """How the step came to be, for --stats: "ahead of time, loaded from disk" or "built and stored",
+        "torch.compile", or "eager" where nothing could be compiled."""
         if self.ahead_of_time is None:
-            return "torch.compile"
+            return "eager" if self.eager_otherwise else "torch.compile"
         return "ahead of time, " + ("built and stored" if self.ahead_of_time.build_seconds else "loaded from disk")
 
     @property
@@ -86,7 +90,7 @@ class CompiledStep:
         return self.ahead_of_time.notes if self.ahead_of_time is not None else []
 
 
-def compile_step(model: Transformer, progress: Optional[Progress] = None) -> CompiledStep:
+def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False) -> CompiledStep:
     """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
 
     The model's linear layers become the compiled step's classes in place (llama/linears.py: the same
@@ -95,10 +99,13 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None) -> Com
     returns: on the CPU loaded from its stored package (built and stored first if there is none, reported to
     `progress`), on a GPU compiled. Other batch sizes, and the uncached step, are made at their first call.
 
+    With `eager_otherwise` (compile="auto") nothing goes to torch.compile: the steps the package does not
+    take, and all of them where there is none (a GPU, layers it cannot hold), run eagerly.
+
     Raises:
         LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler).
     """
-    step = CompiledStep(model, progress)
+    step = CompiledStep(model, progress, eager_otherwise)
     try:
         if step.ahead_of_time is not None:
             try:
@@ -106,6 +113,8 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None) -> Com
                 return step
             except Unsupported:
                 step.ahead_of_time = None
+        if eager_otherwise:
+            return step
         # Under inference mode, as generate() runs: tensors made outside it would not match the guards.
         with torch.inference_mode():
             tokens = torch.zeros((1, 3), dtype=torch.long, device=model.device)

@@ -142,7 +142,7 @@ class Llama:
         seed: int = 1,
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[Union[str, torch.dtype]] = None,
-        compile: bool = False,
+        compile: Union[bool, str] = False,
         quantize: Optional[str] = None,
         progress: Optional[Progress] = None,
         quant_kernels: str = "integer",
@@ -163,10 +163,13 @@ class Llama:
             device: "cpu", "cuda", "cuda:N"; None picks CUDA when present, else CPU.
             dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
                 unsupported) and float32 on CPU.
-            compile: run the generation steps after the prompt through torch.compile (llama/compile.py).
-                The batch-1 step with the cache is compiled before build returns (minutes with an empty
-                Inductor cache, seconds once it has it; docs/benchmarks.md); other batch sizes and the
-                uncached step compile at their first use. Needs a C++ compiler on the CPU; one process only.
+            compile: run the generation steps after the prompt compiled (llama/compile.py). True: on the CPU
+                the one-token step with the cache comes from a package stored under $LLAMA_HOME (built the
+                first time for a model shape and batch size, in under a minute for small models, then loaded
+                in milliseconds; llama/aot.py), and every other step (the uncached one, any step on a GPU) is
+                compiled by torch.compile at its first use (minutes). "auto", what the commands do by default:
+                the stored step where it can be had (the CPU, one process, a C++ compiler), everything else
+                eager, with a note when the compiler is missing. Needs a C++ compiler on the CPU; one process only.
             quantize: None, "int8" (per output channel) or "int4" (groups of 32 columns): quantize every
                 linear layer as it loads (llama/quantize.py). A checkpoint stored quantized (it has
                 quantization.json) loads as stored without it; asking it for another method is an error.
@@ -193,6 +196,11 @@ class Llama:
         dtype_given = dtype is not None
         dtype = resolve_dtype(dtype, device)
         rank, world_size = init_distributed(device, model_parallel_size)
+        if compile not in (True, False, "auto"):
+            raise LlamaError(f"compile must be True, False or \"auto\", not {compile!r}")
+        auto = compile == "auto"
+        if auto:  # the stored step only where it can be had
+            compile = device.type == "cpu" and world_size == 1
         if compile and world_size > 1:
             raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
         ckpt_dir = Path(ckpt_dir)
@@ -229,8 +237,17 @@ class Llama:
         llama = Llama(model, tokenizer, seed=seed, info=info)
         if compile:
             compile_start = time.perf_counter()
-            llama.compiled_step = compile_step(model, progress)
-            info.notes += llama.compiled_step.notes
+            try:
+                llama.compiled_step = compile_step(model, progress, eager_otherwise=auto)
+            except LlamaError as e:
+                if not auto:
+                    raise
+                info.notes.append(f"{str(e).removeprefix('compile=True failed: ').split('; run without')[0]}; "
+                                  "the decode step runs eagerly, about 3 times slower (compile=False hides this note)")
+            else:
+                info.notes += llama.compiled_step.notes
+                if auto and llama.compiled_step.ahead_of_time is None:  # nothing stored could serve this model
+                    llama.compiled_step = None
             info.compile_seconds = time.perf_counter() - compile_start
         info.load_seconds = time.perf_counter() - start
         return llama

@@ -132,3 +132,36 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
         assert note.startswith(f"note: the stored compiled step in {entry} was not used (") and reason in note, note
         assert again.stdout == first.stdout
     assert [p.name for p in tmp_path.iterdir()] == [entry.name]
+
+
+def test_the_commands_compile_by_default_and_say_so_only_while_building(nonstop_ckpt, tmp_path):
+    env = {"LLAMA_COMPILE": "auto", "LLAMA_COMPILED_DIR": str(tmp_path)}  # auto: the default, which conftest.py sets off
+    args = ("--ckpt-dir", nonstop_ckpt, "--prompt", "The history of", "--temperature", "0", "--max-gen-len", "24")
+    eager = run("llama-generate", *args, "--no-compile", "--stats")
+    assert "compiled:        no" in eager.stderr and not list(tmp_path.iterdir())
+    first = run("llama-generate", *args, "--stats", env=env)
+    again = run("llama-generate", *args, "--stats", env=env)
+    assert eager.returncode == first.returncode == again.returncode == 0, first.stderr + again.stderr
+    assert BUILDING in first.stderr and "compiled:        yes (ahead of time, built and stored)" in first.stderr
+    assert BUILDING not in again.stderr and "compiled:        yes (ahead of time, loaded from disk)" in again.stderr
+    assert first.stdout == again.stdout == eager.stdout
+    # The chat too, from the same package (one chat is batch 1); --no-kv-cache's steps are never compiled.
+    chat = run("llama-chat", "--ckpt-dir", nonstop_ckpt, "--temperature", "0", "--max-gen-len", "8", input="Hello\n", env=env)
+    chat_eager = run("llama-chat", "--ckpt-dir", nonstop_ckpt, "--temperature", "0", "--max-gen-len", "8", "--no-compile",
+                     input="Hello\n")
+    assert chat.returncode == 0 and BUILDING not in chat.stderr and chat.stdout == chat_eager.stdout, chat.stderr
+    uncached = run("llama-generate", *args, "--stats", "--no-kv-cache", env={**env, "LLAMA_COMPILED_DIR": str(tmp_path / "x")})
+    assert "compiled:        no" in uncached.stderr and uncached.stdout == eager.stdout
+    both = run("llama-generate", *args, "--compile", "--no-compile")
+    assert both.returncode == 1 and "--compile and --no-compile contradict each other" in both.stderr
+
+
+def test_without_a_compiler_the_default_runs_eagerly_with_one_note(nonstop_ckpt, tmp_path):
+    result = run("llama-generate", "--ckpt-dir", nonstop_ckpt, "--prompt", "The history of", "--temperature", "0",
+                 "--max-gen-len", "12", "--stats",
+                 env={"LLAMA_COMPILE": "auto", "LLAMA_COMPILED_DIR": str(tmp_path), "CXX": "/nonexistent/c++",
+                      "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "the decode step runs eagerly" in notes[0], result.stderr
+    assert "compiled:        no" in result.stderr

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from llama.chat_format import has_special_tags
 from llama.cli.common import as_flags, fail, run
-from llama.cli.loading import build_from_flags, is_main_rank, model_flag
+from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.conversation import Conversation
 from llama.errors import LlamaError
@@ -50,6 +50,7 @@ def main(
     dtype: str = None,
     stats: bool = False,
     compile: bool = False,
+    no_compile: bool = False,
     session: str = None,
     quantize: str = None,
     quant_kernels: str = "integer",
@@ -79,8 +80,13 @@ def main(
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         stats: after each reply, print to stderr the prompt tokens reused from the cache and prefilled,
             the prefill time and the decode tokens/s.
-        compile: compile the decode step with torch.compile before the chat starts: slower to start,
-            faster replies. Needs a C++ compiler on the CPU.
+        compile: compile the decode step even where the default would not: on a GPU (torch.compile,
+            minutes per process) and for --no-kv-cache's steps. The default, with neither flag: on the CPU the
+            one-token step with the cache is compiled ahead of time, once per model shape and batch size
+            (about 40 s for the default model on 2 cores, with a progress line), stored under $LLAMA_HOME
+            and loaded in milliseconds by every later chat; about 3 times the eager speed (docs/benchmarks.md).
+            Without a C++ compiler it runs eagerly, with a note.
+        no_compile: run every step eagerly, as the plain reference model does.
         session: a file that keeps the conversation and its KV cache: resumed from it (its messages, system
             prompt included) when it exists and belongs to this model, saved to it after every reply. A file
             from another model, or damaged, is reported in one line and replaced.
@@ -99,7 +105,8 @@ def main(
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
     if session is not None:
         check_writable(Path(str(session)))
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype, compile, quantize, quant_kernels)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype,
+                             compile_flag(compile, no_compile, no_kv_cache), quantize, quant_kernels)
     if session is not None and llama.info.world_size > 1:
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)

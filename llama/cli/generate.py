@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run, seconds_since_start
-from llama.cli.loading import build_from_flags, is_main_rank, model_flag
+from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
 from llama.identity import describe, model_identity
@@ -58,6 +58,7 @@ def main(
     stream: bool = None,
     truncate: bool = False,
     compile: bool = False,
+    no_compile: bool = False,
     prompt_cache: str = None,
     quantize: str = None,
     quant_kernels: str = "integer",
@@ -97,8 +98,13 @@ def main(
         truncate: cut prompts that are too long from the left (keeping bos) so that max_gen_len new
             tokens fit in max_seq_len, but never to less than half of max_seq_len; without it a prompt
             that is too long is an error.
-        compile: compile the decode step with torch.compile first: several times slower to start, about
-            twice as fast per token on a CPU (see docs/benchmarks.md). Needs a C++ compiler on the CPU.
+        compile: compile the decode step even where the default would not: on a GPU (torch.compile,
+            minutes per process) and for --no-kv-cache's steps. The default, with neither flag: on the CPU the
+            one-token step with the cache is compiled ahead of time, once per model shape and batch size
+            (about 40 s for the default model on 2 cores, with a progress line), stored under $LLAMA_HOME
+            and loaded in milliseconds by every later run; about 3 times the eager speed (docs/benchmarks.md).
+            Without a C++ compiler it runs eagerly, with a note.
+        no_compile: run every step eagerly, as the plain reference model does.
         prompt_cache: a file of the prompt's keys and values. When it exists and belongs to this model, the
             prompt's tokens after the longest prefix it holds are all that is fed; the prompt's keys and
             values are then saved there for the next run. Same text as without it; one prompt only.
@@ -126,8 +132,8 @@ def main(
         check_writable(Path(str(prompt_cache)))
 
     load_start = time.perf_counter()
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype, compile, quantize,
-                             quant_kernels)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype,
+                             compile_flag(compile, no_compile, no_kv_cache), quantize, quant_kernels)
     load_s = time.perf_counter() - load_start
     if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")
@@ -190,7 +196,7 @@ def main(
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
             f"device:          {llama.device}",
-            f"compiled:        {f'yes ({llama.compiled_step.describe()}), in {llama.info.compile_seconds:.2f} s' if compile else 'no'}",
+            f"compiled:        {f'yes ({llama.compiled_step.describe()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"
             + (f", on the {llama.info.quant_kernels} kernels" if llama.info.quant_kernels else ""),
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
