@@ -190,6 +190,8 @@ class AheadOfTimeStep:
             raise Damaged(f"its {META} cannot be read") from e
         if meta.get("key") != fields:
             raise Damaged(f"its {META} describes another model, torch or CPU")
+        if "unsupported" in meta:  # an earlier run found that this model cannot be compiled ahead of time
+            raise Unsupported(str(meta["unsupported"]))
         package = directory / PACKAGE
         if not package.is_file() or _file_digest(package) != meta.get("sha256"):
             raise Damaged(f"{PACKAGE} is missing or does not match its digest")
@@ -222,16 +224,23 @@ class AheadOfTimeStep:
         length = torch.export.Dim("cache_len", min=_MIN_CACHE, max=_MAX_CACHE)
         what = f"compiling the decode step for batch size {batch_size} (once per model shape; stored in {directory.parent})"
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        unsupported = None
         try:
-            with step(self.progress, what), torch.no_grad():
+            # torch's own deprecation warnings from inside export and Inductor are not the user's business.
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore", FutureWarning)
                 exported = torch.export.export(self._module, (tokens, input_pos, kv), strict=False,
                                                dynamic_shapes=(None, None, [{2: length}] * len(kv)))
                 if exported.constants:
-                    raise Unsupported(f"the step holds {len(exported.constants)} tensors that are not the model's "
-                                      "parameters or buffers")
-                with torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False}):
-                    torch._inductor.aoti_compile_and_package(exported, package_path=str(staging / PACKAGE))
-            meta = {"key": fields, "sha256": _file_digest(staging / PACKAGE), "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+                    unsupported = (f"the step holds {len(exported.constants)} tensors that are not the model's "
+                                   "parameters or buffers")
+                    meta = {"key": fields, "unsupported": unsupported}  # remembered: no later run exports again
+                else:
+                    with step(self.progress, what), \
+                            torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False}):
+                        torch._inductor.aoti_compile_and_package(exported, package_path=str(staging / PACKAGE))
+                    meta = {"key": fields, "sha256": _file_digest(staging / PACKAGE),
+                            "built": time.strftime("%Y-%m-%d %H:%M:%S")}
             write_atomically(staging / META, json.dumps(meta, indent=1))
             try:
                 staging.rename(directory)
@@ -240,3 +249,5 @@ class AheadOfTimeStep:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+        if unsupported:
+            raise Unsupported(unsupported)

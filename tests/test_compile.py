@@ -165,3 +165,23 @@ def test_without_a_compiler_the_default_runs_eagerly_with_one_note(nonstop_ckpt,
     notes = [line for line in result.stderr.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "the decode step runs eagerly" in notes[0], result.stderr
     assert "compiled:        no" in result.stderr
+
+
+def test_a_model_the_package_cannot_hold_is_remembered_and_never_exported_again(gqa_ckpt, tmp_path, monkeypatch):
+    """bf16 layers on torch's int4 kernel hold tensors that are not buffers (where this torch has that kernel): the
+    default then runs eagerly, and the verdict is stored like a package, so later runs do not pay for an export."""
+    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    kwargs = dict(quantize="int4", dtype="bfloat16", quant_kernels="exact", compile="auto")
+    first = build(gqa_ckpt, **kwargs)
+    (entry,) = tmp_path.iterdir()
+    meta = json.loads((entry / "meta.json").read_text())
+    assert ("unsupported" in meta) == (first.compiled_step is None)
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("exported again")
+
+    monkeypatch.setattr(torch.export, "export", no_export)
+    second = build(gqa_ckpt, **kwargs)
+    assert (second.compiled_step is None) == (first.compiled_step is None)
+    prompt = [first.tokenizer.encode("The history of", bos=True, eos=False)]
+    assert second.generate(prompt, 12, temperature=0)[0] == first.generate(prompt, 12, temperature=0)[0]
