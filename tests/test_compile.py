@@ -92,9 +92,15 @@ def test_a_missing_compiler_is_a_one_line_error(gqa_ckpt, tmp_path):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
+def _default_env(directory):
+    # LLAMA_COMPILE=auto is the commands' default, which conftest.py turns off for the other tests.
+    return {"LLAMA_COMPILE": "auto", "LLAMA_COMPILED_DIR": str(directory)}
+
+
 def _generate_compiled(ckpt, directory):
+    """llama-generate with no flag about compiling: the stored step, as a user gets it."""
     result = run("llama-generate", "--ckpt-dir", ckpt, "--prompt", "The history of", "--temperature", "0",
-                 "--max-gen-len", "24", "--compile", "--stats", env={"LLAMA_COMPILED_DIR": str(directory)})
+                 "--max-gen-len", "24", "--stats", env=_default_env(directory))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     return result
 
@@ -109,7 +115,14 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
     assert sorted(p.name for p in entry.iterdir()) == ["meta.json", "step.pt2"]
     second = _generate_compiled(nonstop_ckpt, tmp_path)
     assert BUILDING not in second.stderr and "note:" not in second.stderr
+    assert "compiled:        yes (ahead of time, built and stored), in " in first.stderr
     assert "compiled:        yes (ahead of time, loaded from disk), in " in second.stderr
+    # The chat loads the same package (a chat is batch 1) and replies as the eager step does.
+    chat = run("llama-chat", "--ckpt-dir", nonstop_ckpt, "--temperature", "0", "--max-gen-len", "8", input="Hello\n",
+               env=_default_env(tmp_path))
+    chat_eager = run("llama-chat", "--ckpt-dir", nonstop_ckpt, "--temperature", "0", "--max-gen-len", "8", "--no-compile",
+                     input="Hello\n")
+    assert chat.returncode == 0 and BUILDING not in chat.stderr and chat.stdout == chat_eager.stdout, chat.stderr
     assert second.stdout == first.stdout == run("llama-generate", "--ckpt-dir", nonstop_ckpt, "--prompt", "The history of",
                                                "--temperature", "0", "--max-gen-len", "24").stdout
 
@@ -134,24 +147,12 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
     assert [p.name for p in tmp_path.iterdir()] == [entry.name]
 
 
-def test_the_commands_compile_by_default_and_say_so_only_while_building(nonstop_ckpt, tmp_path):
-    env = {"LLAMA_COMPILE": "auto", "LLAMA_COMPILED_DIR": str(tmp_path)}  # auto: the default, which conftest.py sets off
+def test_the_default_leaves_uncached_steps_eager_and_both_flags_are_refused(nonstop_ckpt, tmp_path):
     args = ("--ckpt-dir", nonstop_ckpt, "--prompt", "The history of", "--temperature", "0", "--max-gen-len", "24")
     eager = run("llama-generate", *args, "--no-compile", "--stats")
-    assert "compiled:        no" in eager.stderr and not list(tmp_path.iterdir())
-    first = run("llama-generate", *args, "--stats", env=env)
-    again = run("llama-generate", *args, "--stats", env=env)
-    assert eager.returncode == first.returncode == again.returncode == 0, first.stderr + again.stderr
-    assert BUILDING in first.stderr and "compiled:        yes (ahead of time, built and stored)" in first.stderr
-    assert BUILDING not in again.stderr and "compiled:        yes (ahead of time, loaded from disk)" in again.stderr
-    assert first.stdout == again.stdout == eager.stdout
-    # The chat too, from the same package (one chat is batch 1); --no-kv-cache's steps are never compiled.
-    chat = run("llama-chat", "--ckpt-dir", nonstop_ckpt, "--temperature", "0", "--max-gen-len", "8", input="Hello\n", env=env)
-    chat_eager = run("llama-chat", "--ckpt-dir", nonstop_ckpt, "--temperature", "0", "--max-gen-len", "8", "--no-compile",
-                     input="Hello\n")
-    assert chat.returncode == 0 and BUILDING not in chat.stderr and chat.stdout == chat_eager.stdout, chat.stderr
-    uncached = run("llama-generate", *args, "--stats", "--no-kv-cache", env={**env, "LLAMA_COMPILED_DIR": str(tmp_path / "x")})
-    assert "compiled:        no" in uncached.stderr and uncached.stdout == eager.stdout
+    uncached = run("llama-generate", *args, "--stats", "--no-kv-cache", env=_default_env(tmp_path))
+    assert "compiled:        no" in eager.stderr and "compiled:        no" in uncached.stderr
+    assert uncached.stdout == eager.stdout and not list(tmp_path.iterdir())  # nothing was built
     both = run("llama-generate", *args, "--compile", "--no-compile")
     assert both.returncode == 1 and "--compile and --no-compile contradict each other" in both.stderr
 
