@@ -136,10 +136,11 @@ def test_the_process_group_is_destroyed_at_exit(ckpt, tmp_path):
         "import atexit, sys\n"
         "import torch.distributed as dist\n"
         "from llama import Llama\n"
-        # One write per rank (print writes its parts separately, and the two ranks' parts could interleave).
+        # One write per line, on both streams (print writes its parts separately, and the two ranks' parts
+        # interleaved in one CI run: 'rankrank 0 of 2').
         "atexit.register(lambda: sys.stderr.write(f'group still up at exit: {dist.is_initialized()}\\n'))\n"
         "llama = Llama.build(sys.argv[1], sys.argv[2], 32, 1, device='cpu')\n"
-        "print('rank', llama.info.rank, 'of', llama.info.world_size)\n"
+        "sys.stdout.write(f'rank {llama.info.rank} of {llama.info.world_size}\\n')\n"
     )
     quiet = torchrun(script, 2, str(ckpt), str(ckpt.parent / "tokenizer.model"))
     assert quiet.stdout == "rank 0 of 2\n"
