@@ -39,6 +39,15 @@ _DYNAMIC_SOURCES = ",".join([
 RECOMPILE_LIMIT = 64
 
 
+class CompileFailed(LlamaError):
+    """The step could not be compiled; `reason` says why in a few words (the message adds what to do)."""
+
+    def __init__(self, reason: str, hint: str = ""):
+        super().__init__(f"compile=True failed: the decode step could not be compiled ({reason}); "
+                         f"run without compile=True{hint}")
+        self.reason = reason
+
+
 class CompiledStep:
     """`model.forward` for the steps after the prompt, compiled; it shares the model's weights.
 
@@ -67,7 +76,7 @@ class CompiledStep:
             try:
                 return self.ahead_of_time(tokens, start_pos, cache, num_logits)
             except Unsupported:
-                self.ahead_of_time = None  # torch.compile runs every step from here on
+                self.ahead_of_time = None  # every step goes the way below from here on
         if self.eager_otherwise:
             return self.model(tokens, start_pos, cache, num_logits=num_logits)
         if self._compiled is None:
@@ -103,7 +112,7 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
     take, and all of them where there is none (a GPU, layers it cannot hold), run eagerly.
 
     Raises:
-        LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler).
+        CompileFailed: the step could not be compiled (on the CPU it needs a C++ compiler).
     """
     step = CompiledStep(model, progress, eager_otherwise)
     try:
@@ -126,6 +135,5 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
     except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = " (or try LLAMA_COMPILE_CPP_WRAPPER=0)" if step._cpp_wrapper and step.ahead_of_time is None else ""
-        raise LlamaError(f"compile=True failed: the decode step could not be compiled ({reason}); "
-                         f"run without compile=True{hint}") from e
+        raise CompileFailed(reason, hint) from e
     return step

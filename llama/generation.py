@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile import CompiledStep, compile_step
+from llama.compile import CompileFailed, CompiledStep, compile_step
 from llama.convert.cache import resolve_checkpoint
 from llama.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.distributed import init_distributed
@@ -239,11 +239,11 @@ class Llama:
             compile_start = time.perf_counter()
             try:
                 llama.compiled_step = compile_step(model, progress, eager_otherwise=auto)
-            except LlamaError as e:
+            except CompileFailed as e:
                 if not auto:
                     raise
-                info.notes.append(f"{str(e).removeprefix('compile=True failed: ').split('; run without')[0]}; "
-                                  "the decode step runs eagerly, about 3 times slower (compile=False hides this note)")
+                info.notes.append(f"the decode step could not be compiled ({e.reason}); the decode step runs eagerly, "
+                                  "about 3 times slower (compile=False hides this note)")
             else:
                 info.notes += llama.compiled_step.notes
                 if auto and llama.compiled_step.ahead_of_time is None:  # nothing stored could serve this model
