@@ -12,6 +12,8 @@ from llama.cli.common import as_flags
     ("these would fit: quantize=int4 dtype=bfloat16 (9.1 GiB)", "these would fit: --quantize int4 --dtype bfloat16 (9.1 GiB)"),
     ("which fills max_seq_len=48; send a shorter one", "which fills --max-seq-len 48; send a shorter one"),
     ("pass its path with tokenizer_path=", "pass its path with --tokenizer-path"),
+    ("about 3 times slower (compile=False hides this note)", "about 3 times slower (--no-compile hides this note)"),
+    ("the same answers with kv_cache=False", "the same answers with --no-kv-cache"),
 ])
 def test_parameters_become_flags(library, command):
     assert as_flags(library) == command

@@ -26,11 +26,13 @@ _PARAMETER = re.compile(r"\b(" + "|".join(_PARAMETERS) + r")=(True\b|[^\s,;:)]*)
 
 def as_flags(message: str) -> str:
     """A library message in the command line's terms: `dtype=bfloat16` -> `--dtype bfloat16`,
-    `compile=True` -> `--compile`, `quantize=` -> `--quantize`."""
+    `compile=True` -> `--compile`, `compile=False` -> `--no-compile`, `quantize=` -> `--quantize`."""
 
     def flag(match: re.Match) -> str:
-        name, value = "--" + match.group(1).replace("_", "-"), match.group(2)
-        return name if value in ("", "True") else f"{name} {value}"
+        name, value = match.group(1).replace("_", "-"), match.group(2)
+        if value == "False":  # fire's spelling of a switch turned off
+            return f"--no-{name}"
+        return f"--{name}" if value in ("", "True") else f"--{name} {value}"
 
     return _PARAMETER.sub(flag, message)
 
