@@ -49,6 +49,8 @@ def quiet_inductor() -> None:
     embedding's complex product, and with the C++ wrapper some view ops, go through slower generic calls.
     That is its business, not the user's, and it would print them at every compilation."""
     logging.getLogger("torch._inductor.ir").setLevel(logging.ERROR)
+    # "on error, temporary cache dir kept at ...": a failed build (no compiler) is reported in our own words.
+    logging.getLogger("torch._inductor.utils").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
     # torch 2.15, where a bf16 step reads an int4 layer's float16 scales.
     warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
@@ -145,8 +147,9 @@ class AheadOfTimeStep:
         self.model = model
         self.progress = or_silent(progress)
         self.notes: List[str] = []
-        self.build_seconds = 0.0  # spent building packages in this process (0 when every one was loaded)
+        self.built: Dict[int, float] = {}  # seconds spent building each batch size's package in this process
         self._runners: Dict[int, Callable] = {}
+        self.directories: Dict[int, Path] = {}  # where each batch size's package is stored
         self._module = _DecodeStep(model)
 
     @staticmethod
@@ -163,6 +166,11 @@ class AheadOfTimeStep:
         # feeds a column of its token buffer, whose rows lie a whole buffer row apart.
         return runner(tokens.contiguous(), input_pos, kv)
 
+    @property
+    def build_seconds(self) -> float:
+        """Seconds spent building packages in this process (0 when every one was loaded)."""
+        return sum(self.built.values())
+
     def runner(self, batch_size: int) -> Callable:
         """The loaded package for `batch_size`: stored, or built and stored now."""
         if batch_size not in self._runners:
@@ -171,7 +179,7 @@ class AheadOfTimeStep:
 
     def _load_or_build(self, batch_size: int) -> Callable:
         fields = describe_key(self.model, batch_size)
-        directory = compiled_dir() / _key(fields)
+        directory = self.directories[batch_size] = compiled_dir() / _key(fields)
         if directory.exists():
             try:
                 return self._load(directory, fields)
@@ -180,7 +188,7 @@ class AheadOfTimeStep:
                 shutil.rmtree(directory, ignore_errors=True)
         start = time.perf_counter()
         self._build(directory, fields, batch_size)
-        self.build_seconds += time.perf_counter() - start
+        self.built[batch_size] = time.perf_counter() - start
         return self._load(directory, fields)
 
     def _load(self, directory: Path, fields: Dict[str, object]) -> Callable:

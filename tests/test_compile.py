@@ -5,6 +5,7 @@ Inductor needs a C++ compiler on the CPU; without one these tests skip (as the C
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -109,14 +110,20 @@ BUILDING = "compiling the decode step for batch size 1"
 
 
 def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_damaged(nonstop_ckpt, tmp_path):
-    first = _generate_compiled(nonstop_ckpt, tmp_path)
-    assert BUILDING in first.stderr
+    # Built ahead with --precompile, which generates nothing and says where the package is.
+    ahead = run("llama-generate", "--ckpt-dir", nonstop_ckpt, "--precompile", env=_default_env(tmp_path))
+    assert ahead.returncode == 0 and BUILDING in ahead.stderr, ahead.stderr
     (entry,) = tmp_path.iterdir()  # one package, in a directory named by its key, and nothing half-written
     assert sorted(p.name for p in entry.iterdir()) == ["meta.json", "step.pt2"]
+    assert re.fullmatch(rf"compiled decode step for batch size 1: built in [0-9.]+ s, in {re.escape(str(entry))}\n",
+                        ahead.stdout), ahead.stdout
+    again = run("llama-generate", "--ckpt-dir", nonstop_ckpt, "--precompile", env=_default_env(tmp_path))
+    assert again.stdout == f"compiled decode step for batch size 1: already stored, in {entry}\n"
+    first = _generate_compiled(nonstop_ckpt, tmp_path)
     second = _generate_compiled(nonstop_ckpt, tmp_path)
-    assert BUILDING not in second.stderr and "note:" not in second.stderr
-    assert "compiled:        yes (ahead of time, built and stored), in " in first.stderr
-    assert "compiled:        yes (ahead of time, loaded from disk), in " in second.stderr
+    for result in (again, first, second):
+        assert BUILDING not in result.stderr and "note:" not in result.stderr
+    assert "compiled:        yes (ahead of time, loaded from disk), in " in first.stderr
     # The chat loads the same package (a chat is batch 1) and replies as the eager step does.
     chat = run("llama-chat", "--ckpt-dir", nonstop_ckpt, "--temperature", "0", "--max-gen-len", "8", input="Hello\n",
                env=_default_env(tmp_path))
@@ -143,6 +150,7 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
         assert BUILDING in again.stderr
         (note,) = [line for line in again.stderr.splitlines() if line.startswith("note:")]
         assert note.startswith(f"note: the stored compiled step in {entry} was not used (") and reason in note, note
+        assert "compiled:        yes (ahead of time, built and stored), in " in again.stderr
         assert again.stdout == first.stdout
     assert [p.name for p in tmp_path.iterdir()] == [entry.name]
 

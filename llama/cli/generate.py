@@ -63,6 +63,7 @@ def main(
     quantize: str = None,
     quant_kernels: str = "integer",
     model: str = None,
+    precompile=False,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -71,6 +72,7 @@ def main(
         llama-generate --prompt "The capital of France is" --no-kv-cache --stats
         llama-generate --prompts-file prompts.txt --json --temperature 0
         llama-generate --prompt "$(cat long-document.txt) Summary:" --prompt-cache doc.kv
+        llama-generate --precompile --quantize int8
 
     Args:
         prompt: the text to continue.
@@ -116,9 +118,23 @@ def main(
             activations as they are times the dequantized weights: cached and uncached runs agree to float
             rounding).
         model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
+        precompile: build the compiled decode step this model and these flags will use, store it, and exit
+            without generating, so that no later run pays for it (llama-chat uses the same one). Alone, for
+            one prompt at a time; with batch sizes (--precompile 1,4), for each: a --prompts-file of N
+            prompts runs at batch size N.
     """
     import_s = seconds_since_start()
     ckpt_dir = model_flag(ckpt_dir, model)
+    if precompile is not False:
+        if prompt is not None or prompts_file is not None:
+            fail("--precompile builds the compiled decode step and exits; give it no prompt")
+        if no_compile or no_kv_cache:
+            fail("--precompile builds the compiled decode step with the KV cache; leave out --no-compile and --no-kv-cache")
+        sizes = batch_sizes(precompile)
+        llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(max_batch_size, *sizes), seed, device,
+                                 dtype, "auto", quantize, quant_kernels)
+        store_compiled_steps(llama, sizes)
+        return
     prompts = read_prompts(prompt, prompts_file)
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
@@ -214,6 +230,39 @@ def main(
         if logprobs and not json:
             lines += [f"logprobs[{i}]:     " + " ".join(f"{lp:.3f}" for lp in lps) for i, lps in enumerate(out_logprobs)]
         print("\n".join(lines), file=sys.stderr)
+
+
+def batch_sizes(value) -> List[int]:
+    """--precompile's batch sizes: 1 for the flag alone, else the number or comma-separated numbers given."""
+    if value is True:
+        return [1]
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    try:
+        sizes = sorted({int(v) for v in items})
+    except ValueError:
+        fail(f"--precompile takes batch sizes (as in --precompile 1,4), not {value!r}")
+    if not sizes or sizes[0] < 1:
+        fail(f"--precompile's batch sizes must be at least 1, not {value!r}")
+    return sizes
+
+
+def store_compiled_steps(llama, sizes: List[int]) -> None:
+    """Load or build the stored compiled step for each batch size, and say where each is."""
+    step = llama.compiled_step
+    if step is None or step.ahead_of_time is None:
+        if llama.device.type != "cpu":
+            fail(f"nothing to precompile on {llama.device}: there the decode step is compiled by torch.compile "
+                 "in each process (--compile); stored steps are for the CPU")
+        if llama.info.world_size > 1:
+            fail("nothing to precompile under torchrun: the stored step runs in one process")
+        why = ("the note above says why" if llama.info.notes else "its layers hold tensors a stored step cannot take, "
+               "as torch's bf16 kernels' do with --quant-kernels exact")
+        fail(f"this model's decode step cannot be compiled ahead of time here ({why}); its runs use the eager step")
+    ahead = step.ahead_of_time
+    for size in sizes:
+        ahead.runner(size)
+        how = f"built in {ahead.built[size]:.1f} s" if size in ahead.built else "already stored"
+        print(f"compiled decode step for batch size {size}: {how}, in {ahead.directories[size]}", flush=True)
 
 
 class PromptCacheFile:
