@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import torch
 
+from llama import kernels
 from llama.aot import AheadOfTimeStep, Unsupported, quiet_inductor
 from llama.errors import LlamaError
 from llama.kv_cache import KVCache
@@ -55,6 +56,10 @@ class CompiledStep:
     """
 
     def __init__(self, model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False):
+        if model.device.type == "cpu" and model.dtype == torch.float32:
+            # Float32 products of a few rows on llama_kv.f32_linear (RowsLinear); without the kernels (no
+            # compiler, not x86) Inductor's reduction (ReductionLinear).
+            kernels.load(progress)
         choose_layer_classes(model, compiled=True)
         self.model = model
         self.eager_otherwise = eager_otherwise  # steps the package does not take run eagerly, not torch.compile'd

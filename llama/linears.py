@@ -11,6 +11,8 @@ once. Every quantized class's `state_dict()` is the on-disk layout.
     nn.Linear           float (out, in)                         F.linear
     ReductionLinear     float, row-major                        a multiply-and-sum Inductor turns into one
                                                                 loop, at up to REDUCTION_MAX_ROWS rows
+    RowsLinear          float32, row-major                      llama_kv.f32_linear at up to ROWS_MAX_ROWS
+                                                                rows: each weight row read once for all
     Int8Linear          int8 + float16 scales                   widening the weight, then F.linear
     Int8KernelLinear    the same, + the kernel's scales         aten._weight_int8pack_mm (per-channel, CPU)
     Int8ReductionLinear the same as Int8Linear                  the compiled reduction, dequantizing in registers
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llama.kernels import loaded as kernels_loaded  # loaded by the compiled step where they can be (llama/compile.py)
 from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, dequantize_values, pack_int4, unpack_int4
 
 # Up to this many rows (batch x tokens fed), a compiled CPU step computes a linear layer as a reduction,
@@ -70,6 +73,27 @@ class ReductionLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _compiling_few_rows(x):
             out = (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, in) * (out, in), summed over in
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+# Up to this many rows, a compiled float32 step on the CPU multiplies with llama_kv.f32_linear, which reads each
+# weight row once for all of them; from 16 rows on MKL's GEMM is as fast (docs/benchmarks.md).
+ROWS_MAX_ROWS = 16
+
+
+class RowsLinear(nn.Linear):
+    """nn.Linear whose products of a few float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
+
+    Decoding a batch multiplies one row per sequence by every weight matrix: the kernel reads each weight row
+    once for all of them, where MKL reads the weights again for each tile of rows and Inductor's reduction
+    once per row. Each row's outputs are computed the same way whatever rows come with it. Weights row-major,
+    as the compiled step stores them; more rows, or eagerly without the kernels loaded, it is nn.Linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[:-1].numel() <= ROWS_MAX_ROWS:
+            out = torch.ops.llama_kv.f32_linear(x, self.weight)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 
@@ -360,7 +384,11 @@ def layer_class(layer: nn.Module, dtype: torch.dtype, compiled: bool, kernels: b
     """
     cpu = layer.weight.device.type == "cpu"
     if isinstance(layer, nn.Linear):
-        return ReductionLinear if cpu and compiled else nn.Linear
+        if not (cpu and compiled):
+            return nn.Linear
+        if kernels and kernels_loaded() and dtype == torch.float32 and layer.weight.is_contiguous():
+            return RowsLinear
+        return ReductionLinear
     kernels = kernels and cpu
     if integer is None:
         integer = getattr(layer, "integer_kernels", False)

@@ -2,7 +2,7 @@
 
     python scripts/compare_transformers.py [--new_tokens 128,512] [--repeats 3] [--threads 2] [--nocompile]
         [--nollamacpp] [--lcpp_types F32,Q8_0,Q4_0] [--gguf_dir DIR] [--noquantized]
-        [--quant_kernels integer,exact] [--prompt_tokens 512] [--torch_compile]
+        [--quant_kernels integer,exact] [--prompt_tokens 512] [--torch_compile] [--batch 4]
     python scripts/compare_transformers.py --ckpt DIR --lcpp_gguf FILE [--notransformers]  # e.g. 7B-shaped
 
 All load the default model (SmolLM2-135M-Instruct, from the same GGUF) on the CPU and decode greedily at
@@ -23,6 +23,10 @@ on each of --quant_kernels), and --lcpp_gguf gives llama.cpp the GGUF it came fr
 comparison of issue 21 is made (a random 7B-shaped F16 GGUF of 8 layers, quantized to Q8_0 / Q4_0 by
 llama.cpp's quantizer, converted by llama-convert). With --prompt_tokens N the prompt is N tokens long and
 a second table gives each runner's time to the first new token (prefill), median of the same runs.
+
+With --batch N every runner decodes N copies of the prompt together, and tokens/s counts all N rows: ours and
+transformers as one batch, llama.cpp as its batched example does (N sequences in one KV cache, one llama_decode
+per step feeding each sequence's newest token).
 
 Runs alternate (ours, ours compiled, ..., transformers, llama.cpp F32, ..., ours, ...) so that drift in the
 machine's speed hits all alike; each figure is the median of --repeats runs. Decode tokens/s counts the
@@ -65,15 +69,15 @@ def decode_rate(stamps: List[float]) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
-def ours_once(llama, prompt_ids, n):
+def ours_once(llama, prompt_ids, n, batch=1):
     stamps = [time.perf_counter()]
     # ignore_stop, as transformers' min_new_tokens: both produce exactly n tokens.
-    (tokens,), _ = llama.generate([prompt_ids], n, temperature=0, ignore_stop=True,
-                                  on_step=lambda pos, tok: stamps.append(time.perf_counter()))
-    return decode_rate(stamps[1:]), tokens, stamps[1] - stamps[0]
+    (tokens, *_), _ = llama.generate([prompt_ids] * batch, n, temperature=0, ignore_stop=True,
+                                     on_step=lambda pos, tok: stamps.append(time.perf_counter()))
+    return decode_rate(stamps[1:]) * batch, tokens, stamps[1] - stamps[0]
 
 
-def theirs_once(model, prompt_ids, n):
+def theirs_once(model, prompt_ids, n, batch=1):
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps = [time.perf_counter()]
@@ -84,9 +88,9 @@ def theirs_once(model, prompt_ids, n):
             return scores
 
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        out = model.generate(torch.tensor([prompt_ids] * batch), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              use_cache=True, logits_processor=LogitsProcessorList([Stamp()]), pad_token_id=0)
-    return decode_rate(stamps[1:]), out[0, len(prompt_ids):].tolist(), stamps[1] - stamps[0]
+    return decode_rate(stamps[1:]) * batch, out[0, len(prompt_ids):].tolist(), stamps[1] - stamps[0]
 
 
 def make_ggufs(source: Path, out_dir: Path, types: List[str], threads: int) -> Dict[str, Path]:
@@ -120,6 +124,53 @@ def lcpp_once(llm, prompt_ids, n):
         if len(tokens) == n:
             break
     return decode_rate(stamps[1:]), tokens, stamps[1] - stamps[0]
+
+
+class LcppBatch:
+    """llama.cpp decoding `batch` sequences together, as its own batched example does: one llama_decode per step
+    feeds every sequence's newest token (sequence ids 0 .. batch - 1, one KV cache), greedy by argmax."""
+
+    def __init__(self, llm, batch: int, n_ctx: int):
+        import llama_cpp
+
+        params = llm.context_params
+        params.n_seq_max, params.n_ctx, params.kv_unified = batch, n_ctx * batch, True
+        params.n_batch = params.n_ubatch = max(params.n_batch, batch)
+        self.lib, self.llm, self.batch = llama_cpp, llm, batch
+        self.ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
+        self.n_vocab = llm.n_vocab()
+
+    def _decode(self, rows):
+        """rows: (sequence, position, token, wants logits) for one llama_decode; returns the logits' batch indices."""
+        lib = self.lib
+        b = lib.llama_batch_init(len(rows), 0, 1)
+        try:
+            for i, (seq, pos, token, wants) in enumerate(rows):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, wants
+                b.seq_id[i][0] = seq
+            b.n_tokens = len(rows)
+            if lib.llama_decode(self.ctx, b) != 0:
+                raise SystemExit("llama.cpp's llama_decode failed")
+        finally:
+            lib.llama_batch_free(b)
+        return [i for i, row in enumerate(rows) if row[3]]
+
+    def _argmax(self, i):
+        import numpy as np
+
+        return int(np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).argmax())
+
+    def __call__(self, prompt_ids, n):
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        stamps, tokens = [time.perf_counter()], []
+        last = len(prompt_ids) - 1
+        rows = [(s, j, t, j == last) for s in range(self.batch) for j, t in enumerate(prompt_ids)]
+        for step in range(n):
+            nxt = [self._argmax(i) for i in self._decode(rows)]
+            stamps.append(time.perf_counter())
+            tokens.append(nxt[0])
+            rows = [(s, len(prompt_ids) + step, nxt[s], True) for s in range(self.batch)]
+        return decode_rate(stamps[1:]) * self.batch, tokens, stamps[1] - stamps[0]
 
 
 def agree(a: List[int], b: List[int]) -> int:
@@ -156,7 +207,7 @@ def quantized_variants(ckpt, kinds, quant_kernels, compile: bool, build: dict) -
 def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool = True, llamacpp: bool = True,
          lcpp_types="F32,Q8_0,Q4_0", gguf_dir: str = None, quantized: bool = True, quant_kernels="integer,exact",
          ckpt: str = None, lcpp_gguf: str = None, transformers: bool = True, prompt_tokens: int = 0,
-         torch_compile: bool = False):
+         torch_compile: bool = False, batch: int = 1):
     import transformers as transformers_module
     from llama import Llama
     from llama.download import default_model_dir, default_model_gguf
@@ -169,7 +220,7 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
     default = ckpt is None
     ckpt = default_model_dir(progress=ProgressPrinter(prefix="llama-download: ")) if default else Path(ckpt)
     gguf = default_model_gguf() if default else None
-    build = dict(max_seq_len=max(lengths) + max(prompt_tokens, 64) + 64, max_batch_size=1, device="cpu")
+    build = dict(max_seq_len=max(lengths) + max(prompt_tokens, 64) + 64, max_batch_size=batch, device="cpu")
     stored = read_record(ckpt) is not None
     ours = {}
     if not stored:
@@ -184,13 +235,13 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
         kernels_param = "quant_kernels" in inspect.signature(Llama.build).parameters
         ours.update(quantized_variants(ckpt, [None] if stored else ["int8", "int4"],
                                        _list(quant_kernels) if kernels_param else ["exact"], compile, build))
-    runners: Dict[str, Callable] = {name: functools.partial(ours_once, llama) for name, llama in ours.items()}
+    runners: Dict[str, Callable] = {name: functools.partial(ours_once, llama, batch=batch) for name, llama in ours.items()}
     versions = f"torch {torch.__version__}"
     if transformers and gguf is not None:
         from transformers import LlamaForCausalLM
 
         theirs = LlamaForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-        runners["transformers"] = functools.partial(theirs_once, theirs)
+        runners["transformers"] = functools.partial(theirs_once, theirs, batch=batch)
         versions += f", transformers {transformers_module.__version__}"
     if llamacpp:
         try:
@@ -208,7 +259,8 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
             for name, path in ggufs.items():
                 llm = llama_cpp.Llama(str(path), n_ctx=build["max_seq_len"], n_batch=512, n_threads=threads,
                                       n_threads_batch=threads, verbose=False)
-                runners[f"llama.cpp {name}"] = functools.partial(lcpp_once, llm)
+                runners[f"llama.cpp {name}"] = (functools.partial(lcpp_once, llm) if batch == 1
+                                                else LcppBatch(llm, batch, build["max_seq_len"]))
             versions += f", llama-cpp-python {llama_cpp.__version__}"
     tokenizer = next(iter(ours.values())).tokenizer
     prompt_ids = tokenizer.encode(PROMPT, bos=True, eos=False)
@@ -220,7 +272,8 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
     for run in runners.values():
         run(prompt_ids, 16)
 
-    print(f"{versions}, {threads} threads, batch 1")
+    print(f"{versions}, {threads} threads, batch {batch}"
+          + (f" (the same prompt in every row; tokens/s counts all {batch} rows)" if batch > 1 else ""))
     print(f"checkpoint: {ckpt}; prompt: {PROMPT!r} ({len(prompt_ids)} tokens); decode tokens/s, median of {repeats} "
           f"interleaved runs; agree: leading tokens equal to the first runner's ({next(iter(runners))})\n")
     names = list(runners)

@@ -1,9 +1,12 @@
-"""Integer dot-product kernels for int8 and int4 weights on x86 CPUs: ops of a small C++ extension built at first use.
+"""CPU kernels for x86: integer dot products for int8 and int4 weights, float32 products of a few rows: ops of
+a small C++ extension built at first use.
 
 `load()` builds (once per version, torch and CPU; llama/kernels/build.py) and loads the extension, whose ops
 live in `torch.ops.llama_kv` and are registered with fake implementations here, so `torch.compile` traces
 them as it does torch's own. The layer classes that call them are in llama/linears.py; the C++ is under
 `csrc/`, one file per job, with the scalar loop every SIMD path must equal in `dot_scalar.cpp`.
+`f32_linear` (`f32_rows.cpp`) is the float32 one: a compiled float32 decode step multiplies its few rows with
+it (llama.linears.RowsLinear), reading each weight row once for all of them.
 
 Which instruction path runs is chosen from the CPU's flags when the library loads (the best of AVX-512 VNNI,
 AVX-VNNI, AVX2, scalar); `LLAMA_KERNEL_PATH` or `options(path=...)` forces one the CPU has, as the tests do.
@@ -29,7 +32,7 @@ def load(progress: Optional[Progress] = None) -> bool:
     """Build (first time only) and load the kernels; False if they cannot be had here (`unavailable_reason` says why).
 
     Args:
-        progress: told ("building the int8/int4 kernels ...", 0, 1) and (..., 1, 1) around a build.
+        progress: told ("building the CPU kernels ...", 0, 1) and (..., 1, 1) around a build.
     """
     if _state["loaded"] or _state["reason"] is not None:
         return _state["loaded"]
@@ -46,6 +49,11 @@ def load(progress: Optional[Progress] = None) -> bool:
     if forced:
         set_options(path=forced)
     return True
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process (never builds or loads them)."""
+    return _state["loaded"]
 
 
 def available() -> bool:
@@ -98,6 +106,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "q4_1_linear")
     def _(x, weight, scales, mins, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake(lib + "f32_linear")
+    def _(x, weight):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake(lib + "attention")
     def _(q, k, v, mask):

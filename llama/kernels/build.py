@@ -20,9 +20,10 @@ from llama.paths import home_dir
 from llama.progress import Progress, or_silent, step
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp", "attention.cpp")
+SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp", "attention.cpp",
+           "f32_rows.cpp")
 DIR_ENV = "LLAMA_KERNELS_DIR"
-BUILD_NOTE = "building the int8/int4 kernels (once, a minute or two)"
+BUILD_NOTE = "building the CPU kernels (int8/int4, and float32 decode products; once, a minute or two)"
 # The CPU flags that name the cache directory: the paths the library may take here.
 _KEY_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 

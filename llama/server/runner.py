@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llama import kernels
 from llama.compile import RECOMPILE_LIMIT, quiet_inductor
 from llama.errors import LlamaError
 from llama.generation import sample
@@ -197,6 +198,8 @@ def _compile(model: Transformer, cache: PagedKVCache) -> Callable:
     for module in model.modules():
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
             module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
+    if model.device.type == "cpu" and model.dtype == torch.float32:
+        kernels.load()  # few-row products on llama_kv.f32_linear, as llama/compile.py's step
     choose_layer_classes(model, compiled=True)
 
     def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

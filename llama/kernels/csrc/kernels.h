@@ -89,6 +89,14 @@ void dequantize_q4_1(const uint8_t* w, const uint16_t* scales, const uint16_t* m
 
 float half_to_float(uint16_t h);
 
+// float32 products of M activation rows x (M, K) with weight rows n0 <= n < n1 of a row-major w (N, K):
+// y[m * N + n] (f32_rows.cpp). The AVX-512 path runs where the AVX-512 VNNI one does.
+#define LK_F32_ROWS(name) \
+  void name(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N)
+LK_F32_ROWS(f32_rows_scalar);
+LK_F32_ROWS(f32_rows_avx2);
+LK_F32_ROWS(f32_rows_avx512);
+
 }  // namespace llama_kv
 
 // Function-level targets: one build serves every x86 CPU, each path called only where the CPU has it.
@@ -98,6 +106,7 @@ float half_to_float(uint16_t h);
 #define LK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define LK_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define LK_AVX512VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define LK_AVX512F __attribute__((target("avx2,fma,f16c,avx512f")))
 #else
 #define LLAMA_KV_X86 0
 #endif

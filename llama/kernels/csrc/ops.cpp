@@ -5,6 +5,8 @@
 //   quantize_activations(x) -> (q, d, sum)               x (M, K) float32 / bf16: int8 blocks, for the tests
 //   q8_0_linear(x, weight, scales, out_features)          int8 blocks of 32 (Q8_0)
 //   q4_1_linear(x, weight, scales, mins, out_features)    int4 blocks of 32 with a minimum (Q4_1; Q4_0 too)
+//   f32_linear(x, weight)                                 float32 x times a row-major float32 weight, for a
+//                                                        few rows (f32_rows.cpp)
 //   dequantize_q8_0 / dequantize_q4_1(...)                the float32 (out, K) weight
 //   cpu_paths()                                          the paths this CPU runs, as numbers (kernels.h)
 //   set_options(path, gemm_min_rows)                     force a path (-1: the best) and where products
@@ -235,6 +237,34 @@ at::Tensor q4_1_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   return output_like(x_in, y);
 }
 
+at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight) {
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, "f32_linear: activations "
+              "must be float32 on the CPU, not ", x_in.scalar_type());
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() && x_in.size(-1) == K,
+              "f32_linear: weight must be a contiguous (out, ", x_in.size(-1), ") float32 matrix, not ",
+              weight.scalar_type(), " ", weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int path = active_path();
+  // Slices of at least kMinBytesPerTask of weights, in whole fours of rows (the AVX-512 path's step).
+  const int64_t grain = std::max<int64_t>(4, (kMinBytesPerTask / (K * 4) + 3) / 4 * 4);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (path >= kAvx512Vnni)
+      f32_rows_avx512(xp, M, wp, K, n0, n1, yp, N);
+    else if (path >= kAvx2)
+      f32_rows_avx2(xp, M, wp, K, n0, n1, yp, N);
+    else
+      f32_rows_scalar(xp, M, wp, K, n0, n1, yp, N);
+  });
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  return y.view(shape);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_in) {
   const at::Tensor x = rows_of(x_in, "quantize_activations");
   const Activations a = quantize(x, active_path());
@@ -296,6 +326,7 @@ TORCH_LIBRARY(llama_kv, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_0_linear(Tensor x, Tensor weight, Tensor scales, int out_features) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor weight, Tensor scales, Tensor mins, int out_features) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("dequantize_q8_0(Tensor weight, Tensor scales, int out_features) -> Tensor");
   m.def("dequantize_q4_1(Tensor weight, Tensor scales, Tensor mins, int out_features) -> Tensor");
   m.def("cpu_paths() -> int[]", &cpu_paths);
@@ -307,6 +338,7 @@ TORCH_LIBRARY_IMPL(llama_kv, CPU, m) {
   m.impl("quantize_activations", &quantize_activations);
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("q4_1_linear", &q4_1_linear);
+  m.impl("f32_linear", &f32_linear);
   m.impl("dequantize_q8_0", &dequantize_q8_0_op);
   m.impl("dequantize_q4_1", &dequantize_q4_1_op);
 }

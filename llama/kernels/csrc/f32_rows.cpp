@@ -1,0 +1,156 @@
+// float32 products of a few activation rows with a row-major weight: y[m][n] = sum_k x[m][k] * w[n][k].
+//
+// Decoding multiplies one row per sequence (a few, for a batch) by every weight matrix, so the work is reading
+// the weights once. Here each pass over a few weight rows serves every activation row, the activations staying
+// in L1; a matrix library's GEMM, tuned for many rows, reads the weights again for each tile of them.
+//
+// Each output is one dot product computed the same way whatever else is computed with it: the same vector
+// width, the same order of products and additions, the same final sum of lanes. So a row's outputs do not
+// depend on how many rows come with it or how the work is split over threads; they do depend on the
+// instruction path (vector width), as any change of summation order does.
+#include <cstring>
+
+#include "kernels.h"
+
+namespace llama_kv {
+
+namespace {
+
+constexpr int PREFETCH = 2048;  // bytes ahead
+
+// One output: sum_k x[k] * w[k], in 8 running partial sums (k mod 8), then those summed. Plain C++ for CPUs
+// without AVX2; it rounds each product before adding it, where the vector paths fuse the two.
+float dot_scalar(const float* x, const float* w, int64_t K) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t k = 0; k < K; k++) acc[k % 8] = acc[k % 8] + x[k] * w[k];
+  const float a = (acc[0] + acc[4]) + (acc[2] + acc[6]), b = (acc[1] + acc[5]) + (acc[3] + acc[7]);
+  return a + b;
+}
+
+}  // namespace
+
+LK_F32_ROWS(f32_rows_scalar) {
+  for (int64_t n = n0; n < n1; n++)
+    for (int64_t m = 0; m < M; m++) y[m * N + n] = dot_scalar(x + m * K, w + n * K, K);
+}
+
+#if LLAMA_KV_X86
+namespace {
+
+LK_AVX2 inline float sum8(__m256 v) {
+  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  const __m128 s4 = _mm_add_ps(lo, hi);                      // lanes (0+4, 1+5, 2+6, 3+7)
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));   // (0+4 + 2+6, 1+5 + 3+7)
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// NT weight rows against MT activation rows; 8 columns a step, the K % 8 last ones through a masked load.
+template <int NT, int MT>
+LK_AVX2 void tile_avx2(const float* x, int64_t K, const float* w, float* y, int64_t N, __m256i tail_mask) {
+  __m256 acc[NT][MT];
+  for (int j = 0; j < NT; j++)
+    for (int m = 0; m < MT; m++) acc[j][m] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[NT];
+    for (int j = 0; j < NT; j++) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    for (int m = 0; m < MT; m++) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int j = 0; j < NT; j++) acc[j][m] = _mm256_fmadd_ps(wv[j], xv, acc[j][m]);
+    }
+  }
+  if (K8 < K) {
+    __m256 wv[NT];
+    for (int j = 0; j < NT; j++) wv[j] = _mm256_maskload_ps(w + j * K + K8, tail_mask);
+    for (int m = 0; m < MT; m++) {
+      const __m256 xv = _mm256_maskload_ps(x + m * K + K8, tail_mask);
+      for (int j = 0; j < NT; j++) acc[j][m] = _mm256_fmadd_ps(wv[j], xv, acc[j][m]);
+    }
+  }
+  for (int m = 0; m < MT; m++)
+    for (int j = 0; j < NT; j++) y[m * N + j] = sum8(acc[j][m]);
+}
+
+template <int NT>
+LK_AVX2 void rows_avx2(const float* x, int64_t M, const float* w, int64_t K, int64_t n, float* y, int64_t N,
+                       __m256i tail) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_avx2<NT, 4>(x + m * K, K, w + n * K, y + m * N + n, N, tail);
+  switch (M - m) {
+    case 3: tile_avx2<NT, 3>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 2: tile_avx2<NT, 2>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 1: tile_avx2<NT, 1>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+  }
+}
+
+LK_AVX512F inline float sum16(__m512 v) {
+  // The 16 lanes folded in halves: (i, i + 8), then (i, i + 4), (i, i + 2), (i, i + 1).
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));  // AVX-512F alone
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), upper);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+template <int NT, int MT>
+LK_AVX512F void tile_avx512(const float* x, int64_t K, const float* w, float* y, int64_t N, __mmask16 tail_mask) {
+  __m512 acc[NT][MT];
+  for (int j = 0; j < NT; j++)
+    for (int m = 0; m < MT; m++) acc[j][m] = _mm512_setzero_ps();
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t k = 0; k < K16; k += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH, _MM_HINT_T0);
+    __m512 wv[NT];
+    for (int j = 0; j < NT; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
+    for (int m = 0; m < MT; m++) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+      for (int j = 0; j < NT; j++) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
+    }
+  }
+  if (K16 < K) {
+    __m512 wv[NT];
+    for (int j = 0; j < NT; j++) wv[j] = _mm512_maskz_loadu_ps(tail_mask, w + j * K + K16);
+    for (int m = 0; m < MT; m++) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail_mask, x + m * K + K16);
+      for (int j = 0; j < NT; j++) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
+    }
+  }
+  for (int m = 0; m < MT; m++)
+    for (int j = 0; j < NT; j++) y[m * N + j] = sum16(acc[j][m]);
+}
+
+template <int NT>
+LK_AVX512F void rows_avx512(const float* x, int64_t M, const float* w, int64_t K, int64_t n, float* y, int64_t N,
+                           __mmask16 tail) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_avx512<NT, 4>(x + m * K, K, w + n * K, y + m * N + n, N, tail);
+  switch (M - m) {
+    case 3: tile_avx512<NT, 3>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 2: tile_avx512<NT, 2>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 1: tile_avx512<NT, 1>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+  }
+}
+
+}  // namespace
+
+LK_AVX2 LK_F32_ROWS(f32_rows_avx2) {
+  alignas(32) int32_t lanes[8];
+  for (int i = 0; i < 8; i++) lanes[i] = i < K % 8 ? -1 : 0;
+  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
+  int64_t n = n0;
+  // NT2 for (; n + 2 <= n1; n += 2) rows_avx2<2>(x, M, w, K, n, y, N, tail);
+  for (; n < n1; n++) rows_avx2<1>(x, M, w, K, n, y, N, tail);
+}
+
+LK_AVX512F LK_F32_ROWS(f32_rows_avx512) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1);
+  int64_t n = n0;
+  // NT4 for (; n + 4 <= n1; n += 4) rows_avx512<4>(x, M, w, K, n, y, N, tail);
+  for (; n < n1; n++) rows_avx512<1>(x, M, w, K, n, y, N, tail);
+}
+#else
+LK_F32_ROWS(f32_rows_avx2) { f32_rows_scalar(x, M, w, K, n0, n1, y, N); }
+LK_F32_ROWS(f32_rows_avx512) { f32_rows_scalar(x, M, w, K, n0, n1, y, N); }
+#endif
+
+}  // namespace llama_kv

@@ -1,0 +1,78 @@
+"""llama_kv.f32_linear (llama/kernels/csrc/f32_rows.cpp): float32 products of a few rows with a row-major weight.
+
+Each output is a sum of K products, in an order of the path's own: within the float32 bound of the exact sum,
+gamma_K * sum_k |x_k w_k| (gamma_n = n u / (1 - n u), u = 2^-24), on every instruction path this CPU has. And
+a row's outputs do not depend on the rows beside it or on the threads: the same bits alone or in a batch,
+which is what lets a server's batched step give each sequence what it gets alone.
+"""
+
+import pytest
+import torch
+
+from llama import kernels
+from llama.kernels.build import missing
+
+if missing():
+    pytest.skip(f"the kernels cannot be built here: {missing()}", allow_module_level=True)
+
+U = 2.0 ** -24
+# The float paths the library picks from its instruction paths (kernels.h): scalar, AVX2 + FMA, AVX-512.
+FLOAT_PATHS = ["scalar", "avx2", "avx512vnni"]
+SHAPES = [(37, 19), (64, 576), (1000, 33), (5, 8), (9, 1)]  # (out, in): ragged in both, one-column rows
+
+
+@pytest.fixture(params=FLOAT_PATHS)
+def path(request):
+    assert kernels.available(), kernels.unavailable_reason()
+    if request.param not in kernels.cpu_paths():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    with kernels.options(path=request.param):
+        yield request.param
+
+
+def _bound(x, w):
+    k = x.shape[-1]
+    gamma = k * U / (1 - k * U)
+    return gamma * (x.double().abs() @ w.double().abs().t())
+
+
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+def test_within_the_float32_bound_of_the_exact_sum(path, out_features, in_features):
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    for rows in (1, 2, 3, 4, 5, 8, 16):
+        x = torch.randn(rows, in_features, generator=g)
+        got = torch.ops.llama_kv.f32_linear(x, w)
+        exact = x.double() @ w.double().t()
+        assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+        assert ((got.double() - exact).abs() <= _bound(x, w)).all(), (path, rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it_or_the_threads(path, threads):
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(1536, 576, generator=g)
+    x = torch.randn(16, 576, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = torch.ops.llama_kv.f32_linear(x, w)
+        alone = torch.cat([torch.ops.llama_kv.f32_linear(x[i : i + 1], w) for i in range(16)])
+        pairs = torch.cat([torch.ops.llama_kv.f32_linear(x[i : i + 3], w) for i in range(0, 16, 3)])
+    finally:
+        torch.set_num_threads(before)
+    reference = torch.ops.llama_kv.f32_linear(x, w)  # at the suite's 2 threads
+    assert torch.equal(together, alone) and torch.equal(together, pairs) and torch.equal(together, reference)
+
+
+def test_leading_dimensions_are_kept_and_bad_weights_refused():
+    assert kernels.available(), kernels.unavailable_reason()
+    w = torch.randn(48, 32)
+    x = torch.randn(2, 3, 32)
+    got = torch.ops.llama_kv.f32_linear(x, w)
+    assert got.shape == (2, 3, 48)
+    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.llama_kv.f32_linear(x, w.t().contiguous().t())  # column-major, as the eager model stores it
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.llama_kv.f32_linear(x.bfloat16(), w)
