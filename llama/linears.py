@@ -11,8 +11,9 @@ once. Every quantized class's `state_dict()` is the on-disk layout.
     nn.Linear           float (out, in)                         F.linear
     ReductionLinear     float, row-major                        a multiply-and-sum Inductor turns into one
                                                                 loop, at up to REDUCTION_MAX_ROWS rows
-    RowsLinear          float32, row-major                      llama_kv.f32_linear at up to ROWS_MAX_ROWS
-                                                                rows: each weight row read once for all
+    RowsLinear          float32, row-major                      llama_kv.f32_linear at 2 to ROWS_MAX_ROWS
+                                                                rows (each weight row read once for all),
+                                                                ReductionLinear's reduction at one
     Int8Linear          int8 + float16 scales                   widening the weight, then F.linear
     Int8KernelLinear    the same, + the kernel's scales         aten._weight_int8pack_mm (per-channel, CPU)
     Int8ReductionLinear the same as Int8Linear                  the compiled reduction, dequantizing in registers
@@ -77,25 +78,26 @@ class ReductionLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-# Up to this many rows, a compiled float32 step on the CPU multiplies with llama_kv.f32_linear, which reads each
-# weight row once for all of them; from 16 rows on MKL's GEMM is as fast (docs/benchmarks.md).
+# From 2 up to this many rows, a compiled float32 step on the CPU multiplies with llama_kv.f32_linear, which reads
+# each weight row once for all of them; from 16 rows on MKL's GEMM is as fast (docs/benchmarks.md).
 ROWS_MAX_ROWS = 16
 
 
-class RowsLinear(nn.Linear):
-    """nn.Linear whose products of a few float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
+class RowsLinear(ReductionLinear):
+    """ReductionLinear whose products of 2-16 float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
 
     Decoding a batch multiplies one row per sequence by every weight matrix: the kernel reads each weight row
     once for all of them, where MKL reads the weights again for each tile of rows and Inductor's reduction
-    once per row. Each row's outputs are computed the same way whatever rows come with it. Weights row-major,
-    as the compiled step stores them; more rows, or eagerly without the kernels loaded, it is nn.Linear.
+    once per row (a batch of 4 decodes 1.35x faster, docs/benchmarks.md). One row stays on Inductor's
+    reduction, which fuses with the steps around it and measured faster inside the step. Weights row-major, as
+    the compiled step stores them.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[:-1].numel() <= ROWS_MAX_ROWS:
+        if 1 < x.shape[:-1].numel() <= ROWS_MAX_ROWS:
             out = torch.ops.llama_kv.f32_linear(x, self.weight)
             return out if self.bias is None else out + self.bias
-        return F.linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class QuantizedLinear(nn.Module):

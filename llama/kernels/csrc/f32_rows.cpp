@@ -1,8 +1,8 @@
 // float32 products of a few activation rows with a row-major weight: y[m][n] = sum_k x[m][k] * w[n][k].
 //
 // Decoding multiplies one row per sequence (a few, for a batch) by every weight matrix, so the work is reading
-// the weights once. Here each pass over a few weight rows serves every activation row, the activations staying
-// in L1; a matrix library's GEMM, tuned for many rows, reads the weights again for each tile of them.
+// the weights once. Here each weight row, read once, meets every activation row, the activations staying in
+// L1; a matrix library's GEMM, tuned for many rows, reads the weights again for each tile of them.
 //
 // Each output is one dot product computed the same way whatever else is computed with it: the same vector
 // width, the same order of products and additions, the same final sum of lanes. So a row's outputs do not
@@ -16,7 +16,7 @@ namespace llama_kv {
 
 namespace {
 
-constexpr int PREFETCH = 2048;  // bytes ahead
+constexpr int PREFETCH = 2048;  // bytes of the weight row read ahead
 
 // One output: sum_k x[k] * w[k], in 8 running partial sums (k mod 8), then those summed. Plain C++ for CPUs
 // without AVX2; it rounds each product before adding it, where the vector paths fuse the two.
@@ -44,42 +44,34 @@ LK_AVX2 inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-// NT weight rows against MT activation rows; 8 columns a step, the K % 8 last ones through a masked load.
-template <int NT, int MT>
+// One weight row against MT activation rows; 8 columns a step, the K % 8 last ones through a masked load.
+// (Several weight rows a step, interleaved, measured slower: one row is one stream the prefetcher follows.)
+template <int MT>
 LK_AVX2 void tile_avx2(const float* x, int64_t K, const float* w, float* y, int64_t N, __m256i tail_mask) {
-  __m256 acc[NT][MT];
-  for (int j = 0; j < NT; j++)
-    for (int m = 0; m < MT; m++) acc[j][m] = _mm256_setzero_ps();
+  __m256 acc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
   const int64_t K8 = K & ~int64_t(7);
   for (int64_t k = 0; k < K8; k += 8) {
-    __m256 wv[NT];
-    for (int j = 0; j < NT; j++) wv[j] = _mm256_loadu_ps(w + j * K + k);
-    for (int m = 0; m < MT; m++) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int j = 0; j < NT; j++) acc[j][m] = _mm256_fmadd_ps(wv[j], xv, acc[j][m]);
-    }
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH, _MM_HINT_T0);
+    const __m256 wv = _mm256_loadu_ps(w + k);
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
   }
   if (K8 < K) {
-    __m256 wv[NT];
-    for (int j = 0; j < NT; j++) wv[j] = _mm256_maskload_ps(w + j * K + K8, tail_mask);
-    for (int m = 0; m < MT; m++) {
-      const __m256 xv = _mm256_maskload_ps(x + m * K + K8, tail_mask);
-      for (int j = 0; j < NT; j++) acc[j][m] = _mm256_fmadd_ps(wv[j], xv, acc[j][m]);
-    }
+    const __m256 wv = _mm256_maskload_ps(w + K8, tail_mask);
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_maskload_ps(x + m * K + K8, tail_mask), acc[m]);
   }
-  for (int m = 0; m < MT; m++)
-    for (int j = 0; j < NT; j++) y[m * N + j] = sum8(acc[j][m]);
+  for (int m = 0; m < MT; m++) y[m * N] = sum8(acc[m]);
 }
 
-template <int NT>
-LK_AVX2 void rows_avx2(const float* x, int64_t M, const float* w, int64_t K, int64_t n, float* y, int64_t N,
-                       __m256i tail) {
+// Weight row n against all M activation rows, four at a time.
+LK_AVX2 void row_avx2(const float* x, int64_t M, const float* w, int64_t K, int64_t n, float* y, int64_t N,
+                      __m256i tail) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_avx2<NT, 4>(x + m * K, K, w + n * K, y + m * N + n, N, tail);
+  for (; m + 4 <= M; m += 4) tile_avx2<4>(x + m * K, K, w + n * K, y + m * N + n, N, tail);
   switch (M - m) {
-    case 3: tile_avx2<NT, 3>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
-    case 2: tile_avx2<NT, 2>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
-    case 1: tile_avx2<NT, 1>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 3: tile_avx2<3>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 2: tile_avx2<2>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 1: tile_avx2<1>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
   }
 }
 
@@ -92,42 +84,31 @@ LK_AVX512F inline float sum16(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
-template <int NT, int MT>
+template <int MT>
 LK_AVX512F void tile_avx512(const float* x, int64_t K, const float* w, float* y, int64_t N, __mmask16 tail_mask) {
-  __m512 acc[NT][MT];
-  for (int j = 0; j < NT; j++)
-    for (int m = 0; m < MT; m++) acc[j][m] = _mm512_setzero_ps();
+  __m512 acc[MT];
+  for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
   const int64_t K16 = K & ~int64_t(15);
   for (int64_t k = 0; k < K16; k += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH, _MM_HINT_T0);
-    __m512 wv[NT];
-    for (int j = 0; j < NT; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
-    for (int m = 0; m < MT; m++) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      for (int j = 0; j < NT; j++) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
-    }
+    const __m512 wv = _mm512_loadu_ps(w + k);
+    for (int m = 0; m < MT; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
   }
   if (K16 < K) {
-    __m512 wv[NT];
-    for (int j = 0; j < NT; j++) wv[j] = _mm512_maskz_loadu_ps(tail_mask, w + j * K + K16);
-    for (int m = 0; m < MT; m++) {
-      const __m512 xv = _mm512_maskz_loadu_ps(tail_mask, x + m * K + K16);
-      for (int j = 0; j < NT; j++) acc[j][m] = _mm512_fmadd_ps(wv[j], xv, acc[j][m]);
-    }
+    const __m512 wv = _mm512_maskz_loadu_ps(tail_mask, w + K16);
+    for (int m = 0; m < MT; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail_mask, x + m * K + K16), acc[m]);
   }
-  for (int m = 0; m < MT; m++)
-    for (int j = 0; j < NT; j++) y[m * N + j] = sum16(acc[j][m]);
+  for (int m = 0; m < MT; m++) y[m * N] = sum16(acc[m]);
 }
 
-template <int NT>
-LK_AVX512F void rows_avx512(const float* x, int64_t M, const float* w, int64_t K, int64_t n, float* y, int64_t N,
+LK_AVX512F void row_avx512(const float* x, int64_t M, const float* w, int64_t K, int64_t n, float* y, int64_t N,
                            __mmask16 tail) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_avx512<NT, 4>(x + m * K, K, w + n * K, y + m * N + n, N, tail);
+  for (; m + 4 <= M; m += 4) tile_avx512<4>(x + m * K, K, w + n * K, y + m * N + n, N, tail);
   switch (M - m) {
-    case 3: tile_avx512<NT, 3>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
-    case 2: tile_avx512<NT, 2>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
-    case 1: tile_avx512<NT, 1>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 3: tile_avx512<3>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 2: tile_avx512<2>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 1: tile_avx512<1>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
   }
 }
 
@@ -137,16 +118,12 @@ LK_AVX2 LK_F32_ROWS(f32_rows_avx2) {
   alignas(32) int32_t lanes[8];
   for (int i = 0; i < 8; i++) lanes[i] = i < K % 8 ? -1 : 0;
   const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes));
-  int64_t n = n0;
-  // NT2 for (; n + 2 <= n1; n += 2) rows_avx2<2>(x, M, w, K, n, y, N, tail);
-  for (; n < n1; n++) rows_avx2<1>(x, M, w, K, n, y, N, tail);
+  for (int64_t n = n0; n < n1; n++) row_avx2(x, M, w, K, n, y, N, tail);
 }
 
 LK_AVX512F LK_F32_ROWS(f32_rows_avx512) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1);
-  int64_t n = n0;
-  // NT4 for (; n + 4 <= n1; n += 4) rows_avx512<4>(x, M, w, K, n, y, N, tail);
-  for (; n < n1; n++) rows_avx512<1>(x, M, w, K, n, y, N, tail);
+  for (int64_t n = n0; n < n1; n++) row_avx512(x, M, w, K, n, y, N, tail);
 }
 #else
 LK_F32_ROWS(f32_rows_avx2) { f32_rows_scalar(x, M, w, K, n0, n1, y, N); }
