@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from llama.files import read_json_object, write_atomically
-from llama.kv_cache import KVCache
+from llama.kv_cache import KVCache, PagedKVCache
 from llama.model import Transformer
 from llama.paths import home_dir
 from llama.progress import Progress, or_silent, step
@@ -68,6 +68,21 @@ class _DecodeStep(nn.Module):
         return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=1)
 
 
+class _PagedDecodeStep(nn.Module):
+    """What the server's step exports: one token per row at its own position, read and written through the rows'
+    block tables in a paged pool given as tensors (llama/kv_cache.py's PagedKVCache)."""
+
+    def __init__(self, model: Transformer, block_size: int):
+        super().__init__()
+        self.model = model
+        self.block_size = block_size
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor,
+                pool: List[torch.Tensor]) -> torch.Tensor:
+        cache = PagedKVCache.wrap(pool[0::2], pool[1::2], self.block_size)
+        return self.model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
+
+
 def compiled_dir() -> Path:
     """Where packages live: $LLAMA_COMPILED_DIR if set (the tests keep theirs apart so), else $LLAMA_HOME/compiled."""
     return Path(os.environ[DIR_ENV]).expanduser() if os.environ.get(DIR_ENV) else home_dir() / "compiled"
@@ -81,8 +96,9 @@ def _sources_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def describe_key(model: Transformer, batch_size: int) -> Dict[str, object]:
-    """What a package for `model` at `batch_size` depends on, as the fields its metadata records."""
+def describe_key(model: Transformer, batch_size: object, kind: str = "decode") -> Dict[str, object]:
+    """What a package of `kind` for `model` at `batch_size` (a size, or a range of sizes) depends on, as the
+    fields its metadata records."""
     from llama.kernels.build import cpu_key
 
     params = {k: v for k, v in asdict(model.params).items() if k not in ("max_seq_len", "max_batch_size")}
@@ -98,6 +114,7 @@ def describe_key(model: Transformer, batch_size: int) -> Dict[str, object]:
         "cpu": cpu_key(),  # the vector instructions Inductor chooses from
         "threads": torch.get_num_threads(),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "kind": kind,
         "batch_size": batch_size,
         "params": params,
         "modules": tensors.hexdigest()[:16],
@@ -136,50 +153,39 @@ class Unsupported(Exception):
     parameters or buffers, as torch's bf16 int8/int4 kernels' layers keep): it cannot be compiled ahead of time."""
 
 
-class AheadOfTimeStep:
-    """The one-token cached step of `model` through stored packages, one per batch size, built at first need.
+class _StoredSteps:
+    """Packages of one exported step of `model`, one per size (a batch size, or a range of them), loaded from
+    disk or built and stored at first need. `notes` gathers what the user should hear (a rebuilt package)."""
 
-    Called as `compile.Step` is (tokens, start_pos, cache, num_logits) for one token per row with a `KVCache`;
-    `accepts` says whether a call is of that kind. `notes` gathers what the user should hear (a rebuilt package).
-    """
+    kind = ""  # of the step, in the key
 
-    def __init__(self, model: Transformer, progress: Optional[Progress] = None):
+    def __init__(self, model: Transformer, module: nn.Module, progress: Optional[Progress] = None):
         self.model = model
         self.progress = or_silent(progress)
         self.notes: List[str] = []
-        self.built: Dict[int, float] = {}  # seconds spent building each batch size's package in this process
-        self._runners: Dict[int, Callable] = {}
-        self.directories: Dict[int, Path] = {}  # where each batch size's package is stored
-        self._module = _DecodeStep(model)
-
-    @staticmethod
-    def accepts(tokens: torch.Tensor, cache, num_logits: Optional[int]) -> bool:
-        return (cache is not None and tokens.shape[1] == 1 and num_logits in (None, 1)
-                and all(type(c) is KVCache and c.cache_k.is_contiguous() and c.cache_v.is_contiguous() for c in cache)
-                and cache[0].max_seq_len >= _MIN_CACHE)
-
-    def __call__(self, tokens: torch.Tensor, start_pos: int, cache: List[KVCache], num_logits: Optional[int] = None):
-        runner = self.runner(tokens.shape[0])
-        input_pos = torch.full((tokens.shape[0], 1), start_pos, dtype=torch.long, device=tokens.device)
-        kv = [t for c in cache for t in (c.cache_k[: tokens.shape[0]], c.cache_v[: tokens.shape[0]])]
-        # The package reads its inputs with the strides it was compiled for, unchecked: contiguous ones. generate()
-        # feeds a column of its token buffer, whose rows lie a whole buffer row apart.
-        return runner(tokens.contiguous(), input_pos, kv)
+        self.built: Dict[object, float] = {}  # seconds spent building each size's package in this process
+        self.directories: Dict[object, Path] = {}  # where each size's package is stored
+        self._runners: Dict[object, Callable] = {}
+        self._module = module
 
     @property
     def build_seconds(self) -> float:
         """Seconds spent building packages in this process (0 when every one was loaded)."""
         return sum(self.built.values())
 
-    def runner(self, batch_size: int) -> Callable:
-        """The loaded package for `batch_size`: stored, or built and stored now."""
-        if batch_size not in self._runners:
-            self._runners[batch_size] = self._load_or_build(batch_size)
-        return self._runners[batch_size]
+    def runner(self, size) -> Callable:
+        """The loaded package for `size`: stored, or built and stored now."""
+        if size not in self._runners:
+            self._runners[size] = self._load_or_build(size)
+        return self._runners[size]
 
-    def _load_or_build(self, batch_size: int) -> Callable:
-        fields = describe_key(self.model, batch_size)
-        directory = self.directories[batch_size] = compiled_dir() / _key(fields)
+    def _example(self, size):
+        """(example inputs, dynamic_shapes, what the progress line says) to export the step for `size`."""
+        raise NotImplementedError
+
+    def _load_or_build(self, size) -> Callable:
+        fields = describe_key(self.model, list(size) if isinstance(size, tuple) else size, self.kind)
+        directory = self.directories[size] = compiled_dir() / _key(fields)
         if directory.exists():
             try:
                 return self._load(directory, fields)
@@ -187,8 +193,8 @@ class AheadOfTimeStep:
                 self.notes.append(f"the stored compiled step in {directory} was not used ({e}); it was built again")
                 shutil.rmtree(directory, ignore_errors=True)
         start = time.perf_counter()
-        self._build(directory, fields, batch_size)
-        self.built[batch_size] = time.perf_counter() - start
+        self._build(directory, fields, *self._example(size))
+        self.built[size] = time.perf_counter() - start
         return self._load(directory, fields)
 
     def _load(self, directory: Path, fields: Dict[str, object]) -> Callable:
@@ -219,26 +225,20 @@ class AheadOfTimeStep:
         # Inputs flat, in the exported order; the Python wrapper would parse its call spec at every step.
         return lambda tokens, input_pos, kv: loader.run([tokens, input_pos, *kv])[0]
 
-    def _build(self, directory: Path, fields: Dict[str, object], batch_size: int) -> None:
+    def _build(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str) -> None:
         """Export and compile the step into a new directory beside `directory`, then rename it into place."""
         import torch._inductor  # only to build: loading a package needs none of it
 
         quiet_inductor()
         directory.parent.mkdir(parents=True, exist_ok=True)
-        cache = self.model.new_kv_cache(batch_size, 8)
-        kv = [t for c in cache for t in (c.cache_k, c.cache_v)]
-        tokens = torch.zeros((batch_size, 1), dtype=torch.long, device=self.model.device)
-        input_pos = torch.full((batch_size, 1), 3, dtype=torch.long, device=self.model.device)
-        length = torch.export.Dim("cache_len", min=_MIN_CACHE, max=_MAX_CACHE)
-        what = f"compiling the decode step for batch size {batch_size} (once per model shape; stored in {directory.parent})"
+        what = f"{what} (once per model shape; stored in {directory.parent})"
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         unsupported = None
         try:
             # torch's own deprecation warnings from inside export and Inductor are not the user's business.
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore", FutureWarning)
-                exported = torch.export.export(self._module, (tokens, input_pos, kv), strict=False,
-                                               dynamic_shapes=(None, None, [{2: length}] * len(kv)))
+                exported = torch.export.export(self._module, args, strict=False, dynamic_shapes=dynamic_shapes)
                 if exported.constants:
                     unsupported = (f"the step holds {len(exported.constants)} tensors that are not the model's "
                                    "parameters or buffers")
@@ -259,3 +259,81 @@ class AheadOfTimeStep:
             shutil.rmtree(staging, ignore_errors=True)
         if unsupported:
             raise Unsupported(unsupported)
+
+
+class AheadOfTimeStep(_StoredSteps):
+    """The one-token cached step of `model` through stored packages, one per batch size, built at first need.
+
+    Called as `compile.Step` is (tokens, start_pos, cache, num_logits) for one token per row with a `KVCache`;
+    `accepts` says whether a call is of that kind.
+    """
+
+    kind = "decode"
+
+    def __init__(self, model: Transformer, progress: Optional[Progress] = None):
+        super().__init__(model, _DecodeStep(model), progress)
+
+    @staticmethod
+    def accepts(tokens: torch.Tensor, cache, num_logits: Optional[int]) -> bool:
+        return (cache is not None and tokens.shape[1] == 1 and num_logits in (None, 1)
+                and all(type(c) is KVCache and c.cache_k.is_contiguous() and c.cache_v.is_contiguous() for c in cache)
+                and cache[0].max_seq_len >= _MIN_CACHE)
+
+    def __call__(self, tokens: torch.Tensor, start_pos: int, cache: List[KVCache], num_logits: Optional[int] = None):
+        runner = self.runner(tokens.shape[0])
+        input_pos = torch.full((tokens.shape[0], 1), start_pos, dtype=torch.long, device=tokens.device)
+        kv = [t for c in cache for t in (c.cache_k[: tokens.shape[0]], c.cache_v[: tokens.shape[0]])]
+        # The package reads its inputs with the strides it was compiled for, unchecked: contiguous ones. generate()
+        # feeds a column of its token buffer, whose rows lie a whole buffer row apart.
+        return runner(tokens.contiguous(), input_pos, kv)
+
+    def _example(self, batch_size: int):
+        cache = self.model.new_kv_cache(batch_size, 8)
+        kv = [t for c in cache for t in (c.cache_k, c.cache_v)]
+        tokens = torch.zeros((batch_size, 1), dtype=torch.long, device=self.model.device)
+        input_pos = torch.full((batch_size, 1), 3, dtype=torch.long, device=self.model.device)
+        length = torch.export.Dim("cache_len", min=_MIN_CACHE, max=_MAX_CACHE)
+        return ((tokens, input_pos, kv), (None, None, [{2: length}] * len(kv)),
+                f"compiling the decode step for batch size {batch_size}")
+
+
+# The server's batch sizes, in the ranges one package each serves: the linear layers take one path per range
+# (llama/linears.py: Inductor's reduction for one row, llama_kv.f32_linear up to ROWS_MAX_ROWS, GEMM above).
+_PAGED_RANGES = ((1, 1), (2, 16), (17, 1 << 16))
+
+
+class PagedStep(_StoredSteps):
+    """The server's decode step (one token per row, each at its own position, through block tables into a paged
+    pool, llama/kv_cache.py) through stored packages, one per range of batch sizes, each serving any block-table
+    width and pool size. Called with (tokens, input_pos, tables); `pool` is the PagedKVCache it reads and writes.
+    """
+
+    kind = "paged"
+
+    def __init__(self, model: Transformer, pool: PagedKVCache, progress: Optional[Progress] = None):
+        super().__init__(model, _PagedDecodeStep(model, pool.block_size), progress)
+        self.pool = pool
+        self._tensors = [t for k, v in zip(pool.keys, pool.values) for t in (k, v)]
+
+    @staticmethod
+    def size_range(batch_size: int):
+        return next(r for r in _PAGED_RANGES if r[0] <= batch_size <= r[1])
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        runner = self.runner(self.size_range(tokens.shape[0]))
+        return runner(tokens.contiguous(), input_pos.contiguous(), [tables.contiguous(), *self._tensors])
+
+    def _example(self, size):
+        low, high = size
+        rows = max(low, min(high, 3))  # not 1 where the range is wider: export would take 1 for a constant
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.model.device)  # noqa: E731
+        tokens, input_pos, tables = zeros(rows, 1), zeros(rows, 1), zeros(rows, 3)
+        batch = None if low == high else torch.export.Dim("batch", min=low, max=high)
+        width = torch.export.Dim("blocks", min=2, max=1 << 16)
+        positions = torch.export.Dim("pool", min=2, max=1 << 30)
+        row = {0: batch} if batch is not None else None
+        return ((tokens, input_pos, tables, self._tensors),
+                (row, row, {0: batch, 1: width} if batch is not None else {1: width},
+                 [{1: positions}] * len(self._tensors)),
+                f"compiling the server's decode step for batch sizes {low}-{high}" if low != high
+                else "compiling the server's decode step for one row")

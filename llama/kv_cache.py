@@ -159,6 +159,15 @@ class PagedKVCache:
         self.keys = [torch.zeros((h, num_blocks * block_size, d), dtype=dtype, device=device) for h, d in shapes]
         self.values = [torch.zeros((h, num_blocks * block_size, d), dtype=dtype, device=device) for h, d in shapes]
 
+    @classmethod
+    def wrap(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], block_size: int) -> "PagedKVCache":
+        """A pool over existing per-layer (n_kv_heads, positions, head_dim) tensors, written in place: how an
+        exported step (llama/aot.py) takes the pool as inputs."""
+        pool = cls.__new__(cls)
+        pool.keys, pool.values = list(keys), list(values)
+        pool.block_size, pool.num_blocks = block_size, keys[0].shape[1] // block_size
+        return pool
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys + self.values)

@@ -33,6 +33,7 @@ bf16 for them would let cached and uncached float32 runs differ. What each path 
 docs/benchmarks.md, "Figures behind the code".
 """
 
+import math
 from typing import Dict, List, Optional, Tuple, Type
 
 import torch
@@ -58,8 +59,14 @@ INT4_ROW_BLOCK = 64  # the int4 kernel packs rows in blocks of this many
 _CHUNK_ELEMENTS = 1 << 22
 
 
+def _rows(x: torch.Tensor):
+    """The rows of x (all but its last dimension), as a product that stays symbolic under export (Size.numel()
+    would fix a dynamic batch size to the example's)."""
+    return math.prod(x.shape[:-1])
+
+
 def _compiling_few_rows(x: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() and x.device.type == "cpu" and x.shape[:-1].numel() <= REDUCTION_MAX_ROWS
+    return torch.compiler.is_compiling() and x.device.type == "cpu" and _rows(x) <= REDUCTION_MAX_ROWS
 
 
 class ReductionLinear(nn.Linear):
@@ -94,7 +101,7 @@ class RowsLinear(ReductionLinear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if 1 < x.shape[:-1].numel() <= ROWS_MAX_ROWS:
+        if 1 < _rows(x) <= ROWS_MAX_ROWS:
             out = torch.ops.llama_kv.f32_linear(x, self.weight)
             return out if self.bias is None else out + self.bias
         return super().forward(x)
@@ -179,7 +186,7 @@ class Int8KernelLinear(Int8Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.shape[:-1].numel() > REDUCTION_MAX_ROWS:
+        if x.dtype == torch.float32 and _rows(x) > REDUCTION_MAX_ROWS:
             return super().forward(x)
         scales = self.kernel_scales if self.kernel_scales.dtype == x.dtype else self.scales.reshape(-1).to(x.dtype)
         out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, scales)

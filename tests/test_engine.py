@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import build
+from llama.aot import PagedStep
 from llama.generation import Llama
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs
 from llama.server.runner import Runner
@@ -182,18 +183,25 @@ def test_logprobs_equal_generate_s_including_the_echoed_prompt(llama):
 
 @pytest.mark.slow
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
-def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt):
+@pytest.mark.parametrize("how", ["stored", "torch.compile"])
+def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt, how, monkeypatch):
+    """On the CPU the step comes from stored packages (llama/aot.py's PagedStep: one row, and 2-16 rows), as
+    llama-server's default; LLAMA_COMPILE_AOT=0 (and a GPU) compile it with torch.compile instead."""
+    if how == "torch.compile":
+        monkeypatch.setenv("LLAMA_COMPILE_AOT", "0")
     # Dynamo's limit on compilations per function counts over the whole process (other tests, a second server,
     # a compiled Llama); with fullgraph=True passing it is an error. A limit of 1 here stands for a process that
     # has compiled a lot already: the server's step keeps its own.
     with torch._dynamo.config.patch(recompile_limit=1):
-        _serve_compiled(gqa_ckpt)
+        _serve_compiled(gqa_ckpt, stored=how == "stored")
 
 
-def _serve_compiled(gqa_ckpt):
+def _serve_compiled(gqa_ckpt, stored):
     llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN)  # its own model: compiling changes the layers' classes
     scheduler = Scheduler(64, 4, 8, 16)
-    engine = Engine(llama.tokenizer, scheduler, Runner(llama.model, 64, 4, compile=True))
+    runner = Runner(llama.model, 64, 4, compile=True, max_rows=8)
+    assert isinstance(runner.compiled, PagedStep) == stored
+    engine = Engine(llama.tokenizer, scheduler, runner)
     engine.start()
     ps = prompts(llama)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -7,6 +7,7 @@ a random model happens to say; waits are bounded and generous, and nothing depen
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,10 +36,10 @@ class Server:
     """A llama-server subprocess, its URL once it is ready, and the lines it has logged."""
 
     def __init__(self, ckpt, *flags, max_seq_len: int = MAX_SEQ_LEN,
-                 launcher=(sys.executable, "-m", "llama.cli.server")):
+                 launcher=(sys.executable, "-m", "llama.cli.server"), env=None):
         model = ["--ckpt-dir", str(ckpt)] if ckpt is not None else []  # None: the flags name it
         cmd = [*launcher, *model, "--port", "0", "--max-seq-len", str(max_seq_len), *map(str, flags)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": ""}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": "", **(env or {})}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
         self.lines, self.ready = [], threading.Event()
         self.url = None
@@ -261,6 +262,24 @@ def test_eight_concurrent_clients_get_their_solo_answers(server, llama):
     for messages, text in answers:
         assert text == solo_chat(llama, messages, 30)[0]
     assert server.metrics()["llama_kv_cache_blocks_used"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
+def test_the_default_compiled_step_serves_concurrent_clients_their_solo_answers(ckpt, llama):
+    """With no flag about compiling (LLAMA_COMPILE=auto, which conftest.py turns off for the other tests) the
+    server loads its decode step from stored packages (llama/aot.py: one row, and 2-16 rows), built first."""
+    s = Server(ckpt, "--api-key", KEY, "--parallel", "4", env={"LLAMA_COMPILE": "auto"})
+    try:
+        (ready,) = [line for line in s.lines if "listening on " in line]
+        assert "decode step compiled" in ready, "\n".join(s.lines)
+        assert not any(line.startswith("llama-server: note:") for line in s.lines), "\n".join(s.lines)
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: ask_question(s, i, 24), range(6)))
+        for messages, text in answers:
+            assert text == solo_chat(llama, messages, 24)[0]
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines[-20:])
 
 
 def test_a_client_that_disconnects_frees_its_sequence(server):

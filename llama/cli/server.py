@@ -16,8 +16,9 @@ import threading
 from pathlib import Path
 from typing import Union
 
-from llama.cli.common import EXIT_ERROR, fail, run
-from llama.cli.loading import build_from_flags, model_flag
+from llama.cli.common import EXIT_ERROR, as_flags, fail, run
+from llama.cli.loading import build_from_flags, compile_flag, model_flag
+from llama.cli.progress import ProgressPrinter
 from llama.devices import available_memory
 from llama.download import DEFAULT_MODEL
 from llama.errors import LlamaError
@@ -67,6 +68,7 @@ def main(
     quantize: str = None,
     quant_kernels: str = "integer",
     compile: bool = False,
+    no_compile: bool = False,
     model: str = None,
 ):
     """Serve a LLaMA model over OpenAI's HTTP API, batching requests continuously.
@@ -106,8 +108,12 @@ def main(
         quantize: int8 or int4: hold every linear layer's weights quantized as they load.
         quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
             llama-generate).
-        compile: compile the batched decode step with torch.compile before serving (prompt chunks run eagerly);
-            slower to start, faster per token. Needs a C++ compiler on the CPU; not with --no-kv-cache.
+        compile: compile the batched decode step where the default would not: on a GPU, with torch.compile
+            before serving (minutes). The default, with neither flag: on the CPU the step is compiled ahead of
+            time for one row and for 2-16 rows (about a minute each for the default model on 2 cores, the first
+            time; with a progress line), stored under $LLAMA_HOME and loaded in milliseconds by later starts;
+            prompt chunks run eagerly. Without a C++ compiler it runs eagerly, with a note.
+        no_compile: run every step eagerly.
         model: the same as --ckpt-dir, by llama.cpp's name (-m FILE): a checkpoint directory, a GGUF file or a
             Hugging Face folder.
     """
@@ -122,7 +128,8 @@ def main(
     ckpt_dir = model_flag(ckpt_dir, model)
     settings = dict(ckpt_dir=ckpt_dir, tokenizer_path=tokenizer_path, max_seq_len=max_seq_len, parallel=parallel,
                     kv_cache_size=kv_cache_size, block_size=block_size, no_kv_cache=no_kv_cache, device=device,
-                    dtype=dtype, quantize=quantize, quant_kernels=quant_kernels, compile=compile)
+                    dtype=dtype, quantize=quantize, quant_kernels=quant_kernels,
+                    compile=compile_flag(compile, no_compile, no_kv_cache))
     if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 serves, the others run its steps
         _follow(settings)
         return
@@ -175,8 +182,10 @@ def _build(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, parallel, 1, device, dtype, False, quantize,
                              quant_kernels)
     world_size = llama.info.world_size
-    if compile and world_size > 1:
+    if compile is True and world_size > 1:
         raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
+    if world_size > 1:
+        compile = False  # the default's stored step runs in one process, as the commands
     model = llama.model
     per_position = model.kv_cache_nbytes(1, 1)  # this rank's share of the heads
     positions = kv_cache_positions(kv_cache_size, per_position, parallel * max_seq_len)
@@ -193,13 +202,17 @@ def _build(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block
         share = " per process" if world_size > 1 else ""
         line = (f"--parallel {parallel}, KV cache {num_blocks * block_size:,} tokens in {num_blocks:,} blocks of "
                 f"{block_size}, {nbytes / 2**20:,.1f} MiB{share}")
-    if compile and not no_kv_cache and llama.info.rank == 0:
-        print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first time "
-              "(ten on a busy 2-core machine), less once Inductor has it cached on disk", file=sys.stderr, flush=True)
-        line += "; decode step compiled"
+    if compile is True and model.device.type != "cpu" and not no_kv_cache:
+        print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first time, "
+              "less once Inductor has it cached on disk", file=sys.stderr, flush=True)
     if world_size > 1:
         line += f"; split over {world_size} processes"
-    runner = Runner(model, num_blocks, block_size, compile=compile and not no_kv_cache)
+    runner = Runner(model, num_blocks, block_size, compile=compile if not no_kv_cache else False, max_rows=parallel,
+                    progress=ProgressPrinter(prefix="llama-server: ") if llama.info.rank == 0 else None)
+    for note in runner.notes:
+        print(f"llama-server: note: {as_flags(note)}", file=sys.stderr, flush=True)
+    if runner.compiled is not None:
+        line += "; decode step compiled"
     return llama, runner, num_blocks, line
 
 

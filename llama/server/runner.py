@@ -7,20 +7,23 @@ feeding a chunk of a prompt runs on its own. Without a KV cache each row feeds i
 position 0 through the model's plain path, as `Llama.generate(kv_cache=False)` does.
 """
 
+import os
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llama import kernels
+from llama.aot import PagedStep, Unsupported
 from llama.compile import RECOMPILE_LIMIT, quiet_inductor
 from llama.errors import LlamaError
 from llama.generation import sample
 from llama.linears import choose_layer_classes
 from llama.kv_cache import PagedKVCache
 from llama.model import Transformer
+from llama.progress import Progress
 
 
 @dataclass
@@ -68,14 +71,26 @@ class Runner:
     Args:
         model: the model, built and loaded.
         num_blocks, block_size: the KV cache's blocks; num_blocks 0 runs without a cache.
-        compile: compile the decode step (llama-server --compile).
+        compile: compile the decode step: True or "auto" (llama-server's default) on the CPU loads it from stored
+            packages (llama/aot.py's PagedStep, built first where there are none), "auto" running eagerly where
+            it cannot be had; True on a GPU compiles it with torch.compile.
+        max_rows: the most rows a decode step feeds (llama-server --parallel): the packages for up to that many
+            are ready before serving.
+        progress: told about package builds.
+
+    Raises:
+        LlamaError: compile=True, and the step could not be compiled.
     """
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, compile: bool = False):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, compile: Union[bool, str] = False,
+                 max_rows: int = 16, progress: Optional[Progress] = None):
         self.model = model
         self.device = model.device
         self.cache = model.new_paged_kv_cache(num_blocks, block_size) if num_blocks > 0 else None
-        self.compiled = _compile(model, self.cache) if compile and self.cache is not None else None
+        self.notes: List[str] = []  # what the user should hear about the compiled step
+        self.compiled = None
+        if compile and self.cache is not None:
+            self.compiled = _compile(model, self.cache, compile == "auto", max_rows, progress, self.notes)
         if self.compiled is None and _ManyRowsOutput.suits(model.output):
             model.output = _ManyRowsOutput(model.output)
 
@@ -185,22 +200,48 @@ class _ManyRowsOutput(nn.Module):
 _WARM_UP = ((1, 3), (2, 3), (5, 4))
 
 
-def _compile(model: Transformer, cache: PagedKVCache) -> Callable:
-    """The decode step (one token per row, rows at their own positions) through torch.compile, compiled now.
+def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int, progress: Optional[Progress],
+             notes: List[str]) -> Optional[Callable]:
+    """The decode step (one token per row, rows at their own positions), compiled now: a function of plain tensors
+    (tokens, positions, block tables). None where `auto` and it cannot be had (a note says why).
 
-    A function of plain tensors (tokens, positions, block tables), so that batch size and table width are
-    symbolic and no step met while serving compiles anything again (tested). The layers become the compiled
-    path's classes and float weights are laid out row-major, as `Llama.build(compile=True)` does for its step.
+    The layers become the compiled path's classes and float weights are laid out row-major, as
+    `Llama.build(compile=True)` does for its step. On the CPU the step comes from stored packages (llama/aot.py),
+    one for a single row and one for each range of batch sizes up to `max_rows`, each serving every table width
+    and pool size; elsewhere from torch.compile (not with `auto`), with batch size and table width symbolic so
+    that no step met while serving compiles anything again (tested).
 
     Raises:
-        LlamaError: torch.compile could not build the step (on the CPU it needs a C++ compiler).
+        LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler), and not `auto`.
     """
+    ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0"
+    if auto and not ahead:
+        return None  # a GPU: the eager step, as the commands' default there
     for module in model.modules():
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
             module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
     if model.device.type == "cpu" and model.dtype == torch.float32:
-        kernels.load()  # few-row products on llama_kv.f32_linear, as llama/compile.py's step
+        kernels.load(progress)  # few-row products on llama_kv.f32_linear, as llama/compile.py's step
     choose_layer_classes(model, compiled=True)
+    if ahead:
+        step = PagedStep(model, cache, progress)
+        try:
+            for size in sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)}):
+                step.runner(size)
+        except Unsupported as e:
+            if not auto:
+                raise LlamaError(f"compile=True failed: the server's step cannot be compiled ahead of time ({e})") from e
+            return None
+        except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if not auto:
+                raise LlamaError(f"compile=True failed: the server's decode step could not be compiled ({reason}); "
+                                 "run without compile=True") from e
+            notes.append(f"the decode step could not be compiled ({reason}); it runs eagerly, about 3 times slower "
+                         "(compile=False hides this note)")
+            return None
+        notes.extend(step.notes)
+        return step
 
     def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         return model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
