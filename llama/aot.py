@@ -134,6 +134,18 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _torch_version() -> tuple:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+# Packages were built, loaded and run on torch 2.13 and 2.14. On torch 2.11 (checked on a GPU machine's CPU) loading
+# one crashes the process with a segmentation fault inside torch's loader, its own Python wrapper's too, so older
+# torches neither build nor load them: the commands' default runs eagerly there, --compile uses torch.compile.
+SUPPORTED = _torch_version() >= (2, 13)
+UNSUPPORTED_NOTE = (f"the stored compiled step needs torch 2.13 or newer, and this is {torch.__version__}; the decode "
+                    "step runs eagerly, about 3 times slower (compile=False hides this note)")
+
+
 def _package_loader(package: Path):
     """The package's loader from torch's C++ runtime, without importing Inductor (a second of every start-up)."""
     try:

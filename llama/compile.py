@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from llama import kernels
+from llama import aot, kernels
 from llama.aot import AheadOfTimeStep, Unsupported, quiet_inductor
 from llama.errors import LlamaError
 from llama.kv_cache import KVCache
@@ -62,6 +62,7 @@ class CompiledStep:
             kernels.load(progress)
         choose_layer_classes(model, compiled=True)
         self.model = model
+        self._notes: List[str] = []
         self.eager_otherwise = eager_otherwise  # steps the package does not take run eagerly, not torch.compile'd
         self._compiled = None  # torch.compile's, made at its first use: making it imports Inductor (seconds)
         # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
@@ -72,8 +73,10 @@ class CompiledStep:
                              and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
         # LLAMA_COMPILE_AOT=0 compiles with torch.compile in every process instead, as before the packages: to
         # measure the difference (scripts/compare_transformers.py --torch_compile) or to work around a torch bug.
-        ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0"
+        ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0" and aot.SUPPORTED
         self.ahead_of_time = AheadOfTimeStep(model, progress) if ahead else None
+        if model.device.type == "cpu" and eager_otherwise and not aot.SUPPORTED:
+            self._notes.append(aot.UNSUPPORTED_NOTE)
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]],
                  num_logits: Optional[int] = None) -> torch.Tensor:
@@ -101,7 +104,7 @@ class CompiledStep:
 
     @property
     def notes(self) -> List[str]:
-        return self.ahead_of_time.notes if self.ahead_of_time is not None else []
+        return self._notes + (self.ahead_of_time.notes if self.ahead_of_time is not None else [])
 
 
 def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False) -> CompiledStep:

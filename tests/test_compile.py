@@ -190,3 +190,15 @@ def test_a_model_the_package_cannot_hold_is_remembered_and_never_exported_again(
     assert (second.compiled_step is None) == (first.compiled_step is None)
     prompt = [first.tokenizer.encode("The history of", bos=True, eos=False)]
     assert second.generate(prompt, 12, temperature=0)[0] == first.generate(prompt, 12, temperature=0)[0]
+
+
+def test_a_torch_the_stored_step_was_not_checked_on_runs_eagerly_with_a_note(gqa_ckpt, tmp_path, monkeypatch):
+    """torch 2.11 crashes loading a package (a segmentation fault in its loader): older torches never build or load
+    one. The default then runs eagerly and says why; nothing is stored."""
+    from llama import aot
+
+    monkeypatch.setattr(aot, "SUPPORTED", False)
+    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    llama = build(gqa_ckpt, compile="auto")
+    assert llama.compiled_step is None and not list(tmp_path.iterdir())
+    assert [n for n in llama.info.notes if "needs torch 2.13 or newer" in n] == [aot.UNSUPPORTED_NOTE]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama import kernels
+from llama import aot, kernels
 from llama.aot import PagedStep, Unsupported
 from llama.compile import RECOMPILE_LIMIT, quiet_inductor
 from llama.errors import LlamaError
@@ -214,9 +214,11 @@ def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int,
     Raises:
         LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler), and not `auto`.
     """
-    ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0"
+    ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0" and aot.SUPPORTED
     if auto and not ahead:
-        return None  # a GPU: the eager step, as the commands' default there
+        if model.device.type == "cpu" and not aot.SUPPORTED:
+            notes.append(aot.UNSUPPORTED_NOTE)
+        return None  # the eager step, as the commands' default here (on a GPU, or an older torch)
     for module in model.modules():
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
             module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
