@@ -96,9 +96,10 @@ def _sources_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def describe_key(model: Transformer, batch_size: object, kind: str = "decode") -> Dict[str, object]:
+def describe_key(model: Transformer, batch_size: object, kind: str = "decode",
+                 extra: Optional[Dict[str, object]] = None) -> Dict[str, object]:
     """What a package of `kind` for `model` at `batch_size` (a size, or a range of sizes) depends on, as the
-    fields its metadata records."""
+    fields its metadata records; `extra`: what else the step's code holds as a constant (a block size)."""
     from llama.kernels.build import cpu_key
 
     params = {k: v for k, v in asdict(model.params).items() if k not in ("max_seq_len", "max_batch_size")}
@@ -115,6 +116,7 @@ def describe_key(model: Transformer, batch_size: object, kind: str = "decode") -
         "threads": torch.get_num_threads(),
         "dtype": str(model.dtype).removeprefix("torch."),
         "kind": kind,
+        **(extra or {}),
         "batch_size": batch_size,
         "params": params,
         "modules": tensors.hexdigest()[:16],
@@ -170,6 +172,7 @@ class _StoredSteps:
     disk or built and stored at first need. `notes` gathers what the user should hear (a rebuilt package)."""
 
     kind = ""  # of the step, in the key
+    key_extra: Dict[str, object] = {}  # more of the key: what the exported code holds as constants
 
     def __init__(self, model: Transformer, module: nn.Module, progress: Optional[Progress] = None):
         self.model = model
@@ -196,7 +199,7 @@ class _StoredSteps:
         raise NotImplementedError
 
     def _load_or_build(self, size) -> Callable:
-        fields = describe_key(self.model, list(size) if isinstance(size, tuple) else size, self.kind)
+        fields = describe_key(self.model, list(size) if isinstance(size, tuple) else size, self.kind, self.key_extra)
         directory = self.directories[size] = compiled_dir() / _key(fields)
         if directory.exists():
             try:
@@ -324,6 +327,7 @@ class PagedStep(_StoredSteps):
 
     def __init__(self, model: Transformer, pool: PagedKVCache, progress: Optional[Progress] = None):
         super().__init__(model, _PagedDecodeStep(model, pool.block_size), progress)
+        self.key_extra = {"block_size": pool.block_size}  # a constant in the generated code's index arithmetic
         self.pool = pool
         self._tensors = [t for k, v in zip(pool.keys, pool.values) for t in (k, v)]
 

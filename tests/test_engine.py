@@ -196,6 +196,17 @@ def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt, how, monk
         _serve_compiled(gqa_ckpt, stored=how == "stored")
 
 
+def test_the_block_size_is_part_of_a_stored_server_steps_key(gqa_ckpt):
+    """The generated code holds the block size in its index arithmetic: a package built for blocks of 4 read past
+    the pool of a server with blocks of 16 (an earlier version, which keyed packages without it)."""
+    from llama.aot import _key, describe_key
+
+    model = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN).model
+    keys = {_key(describe_key(model, [2, 16], "paged", PagedStep(model, model.new_paged_kv_cache(8, bs)).key_extra))
+            for bs in (4, 16, 4)}
+    assert len(keys) == 2
+
+
 def _serve_compiled(gqa_ckpt, stored):
     llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN)  # its own model: compiling changes the layers' classes
     scheduler = Scheduler(64, 4, 8, 16)
