@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from llama.errors import first_line
 from llama.files import read_json_object, write_atomically
 from llama.kv_cache import KVCache, PagedKVCache
 from llama.model import Transformer
@@ -236,7 +237,7 @@ class _StoredSteps:
         except Damaged:
             raise
         except Exception as e:  # a damaged zip, a library that will not load: many exception types
-            raise Damaged(f"it failed to load: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
+            raise Damaged(f"it failed to load: {first_line(e)}") from e
         # Inputs flat, in the exported order; the Python wrapper would parse its call spec at every step.
         return lambda tokens, input_pos, kv: loader.run([tokens, input_pos, *kv])[0]
 

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from llama import quant_format
-from llama.errors import LlamaError
+from llama.errors import LlamaError, first_line
 from llama.files import read_json_object
 from llama.model import ModelArgs, Transformer
 from llama.progress import Progress, or_silent
@@ -123,7 +123,7 @@ def load_shard(path: Path) -> Dict[str, torch.Tensor]:
     try:
         state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # torch raises many types for a bad file; all mean "this is not a checkpoint"
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         if "weights_only" in str(e) or "Unsupported global" in str(e):
             reason = "it holds objects other than tensors, and loading it could run code"
         raise LlamaError(f"cannot load {path}: {reason}") from None

@@ -17,7 +17,7 @@ import torch
 
 from llama import aot, kernels
 from llama.aot import AheadOfTimeStep, Unsupported, quiet_inductor
-from llama.errors import LlamaError
+from llama.errors import LlamaError, first_line
 from llama.kv_cache import KVCache
 from llama.linears import choose_layer_classes
 from llama.model import Transformer
@@ -141,7 +141,7 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
             model(tokens[:, :2], 0, cache)
             step(tokens[:, 2:], 2, cache, num_logits=1)
     except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         hint = " (or try LLAMA_COMPILE_CPP_WRAPPER=0)" if step._cpp_wrapper and step.ahead_of_time is None else ""
         raise CompileFailed(reason, hint) from e
     return step

@@ -203,8 +203,8 @@ def test_stream_decoding_holds_back_split_characters():
     (["--prompt", "hi", "--max-gen-len", "2.5"], ["--max-gen-len takes a whole number"]),
     (["--prompt", "hi", "--echo=yes"], ["--echo is a switch"]),
     (["--precompile", "--prompt", "hi"], ["--precompile builds the compiled decode step and exits"]),
-    (["--precompile", "0"], ["batch sizes must be at least 1, not 0"]),
-    (["--precompile", "four"], ["--precompile takes batch sizes (as in --precompile 1,4), not 'four'"]),
+    (["--precompile", "0"], ["--precompile values must be at least 1"]),
+    (["--precompile", "four"], ["--precompile takes comma-separated whole numbers, not 'four'"]),
     (["--precompile", "--no-kv-cache"], ["leave out --no-compile and --no-kv-cache"]),
 ])
 def test_bad_arguments_give_a_one_line_error(gqa_ckpt, args, fragments):

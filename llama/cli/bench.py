@@ -13,22 +13,11 @@ from typing import List
 import torch
 
 from llama.bench import Run, measure
-from llama.cli.common import fail, run
+from llama.cli.common import fail, run, whole_numbers
 from llama.cli.loading import build_from_flags, is_main_rank, model_flag
 from llama.files import write_atomically
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 1024)
-
-
-def _ints(value, flag: str) -> List[int]:
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    try:
-        out = sorted({int(v) for v in items})
-    except ValueError:
-        fail(f"{flag} takes comma-separated whole numbers, not {value!r}")
-    if not out or out[0] < 1:
-        fail(f"{flag} values must be at least 1")
-    return out
 
 
 def _progress(text: str) -> None:
@@ -94,8 +83,8 @@ def main(
         model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
     ckpt_dir = model_flag(ckpt_dir, model)
-    lengths = _ints(lengths, "--lengths")
-    batch_sizes = _ints(batch_sizes, "--batch-sizes")
+    lengths = whole_numbers(lengths, "--lengths")
+    batch_sizes = whole_numbers(batch_sizes, "--batch-sizes")
     mode_names = [m.strip() for m in str(modes).split(",") if m.strip()]
     if not mode_names or set(mode_names) - {"cache", "no-cache"}:
         fail(f"--modes takes cache, no-cache or both, not {modes!r}")

@@ -43,6 +43,19 @@ def fail(message: str) -> NoReturn:
     sys.exit(EXIT_ERROR)
 
 
+def whole_numbers(value, flag: str) -> List[int]:
+    """A flag's comma-separated whole numbers, each at least 1, sorted without repeats (fire reads "1,4" as a tuple,
+    "4" as a number); a one-line error otherwise."""
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    try:
+        out = sorted({int(v) for v in items})
+    except ValueError:
+        fail(f"{flag} takes comma-separated whole numbers, not {value!r}")
+    if not out or out[0] < 1:
+        fail(f"{flag} values must be at least 1")
+    return out
+
+
 def seconds_since_start() -> Optional[float]:
     """Wall-clock seconds since this process started, or None where the system does not say (Linux's /proc does).
 

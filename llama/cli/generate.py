@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from llama.cli.common import as_flags, fail, run, seconds_since_start
+from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_numbers
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
@@ -234,16 +234,7 @@ def main(
 
 def batch_sizes(value) -> List[int]:
     """--precompile's batch sizes: 1 for the flag alone, else the number or comma-separated numbers given."""
-    if value is True:
-        return [1]
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    try:
-        sizes = sorted({int(v) for v in items})
-    except ValueError:
-        fail(f"--precompile takes batch sizes (as in --precompile 1,4), not {value!r}")
-    if not sizes or sizes[0] < 1:
-        fail(f"--precompile's batch sizes must be at least 1, not {value!r}")
-    return sizes
+    return [1] if value is True else whole_numbers(value, "--precompile")
 
 
 def store_compiled_steps(llama, sizes: List[int]) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from llama import aot, kernels
 from llama.aot import PagedStep, Unsupported
 from llama.compile import RECOMPILE_LIMIT, quiet_inductor
-from llama.errors import LlamaError
+from llama.errors import LlamaError, first_line
 from llama.generation import sample
 from llama.linears import choose_layer_classes
 from llama.kv_cache import PagedKVCache
@@ -235,7 +235,7 @@ def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int,
                 raise LlamaError(f"compile=True failed: the server's step cannot be compiled ahead of time ({e})") from e
             return None
         except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = first_line(e)
             if not auto:
                 raise LlamaError(f"compile=True failed: the server's decode step could not be compiled ({reason}); "
                                  "run without compile=True") from e
@@ -261,7 +261,7 @@ def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int,
                 zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=model.device)  # noqa: E731
                 compiled(zeros(bsz, 1), zeros(bsz, 1), zeros(bsz, width))  # three tensors: one would be guarded on
     except Exception as e:  # Inductor fails in many ways (no compiler, a bad toolchain)
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         raise LlamaError(f"compile=True failed: torch.compile could not build the server's step ({reason}); "
                          "run without compile=True") from e
     return compiled
