@@ -152,9 +152,16 @@ def check_state_dict(state_dict: Dict[str, torch.Tensor], expected: Dict[str, to
             )
 
 
+_SHAPES: Dict[str, Dict[str, torch.Size]] = {}
+
+
 def expected_shapes(args: ModelArgs) -> Dict[str, torch.Size]:
-    with torch.device("meta"):
-        return {k: v.shape for k, v in Transformer(args).state_dict().items()}
+    """Every tensor's name and shape in the model `args` describes (worked out once per `args`: loading asks thrice)."""
+    key = repr(args)
+    if key not in _SHAPES:
+        with torch.device("meta"):
+            _SHAPES[key] = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+    return dict(_SHAPES[key])
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -294,7 +294,7 @@ def cli() -> None:
     if "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
         os.execv(sys.executable, [sys.executable, "-m", "llama.cli.server", *sys.argv[1:]])
-    run(main, "llama-server")
+    run(main, "llama-server", quick_exit=False)  # no one waits on a stop: its threads end as they will
 
 
 if __name__ == "__main__":
