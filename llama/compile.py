@@ -11,7 +11,7 @@ symbolic sizes, so one compilation serves every step of every later call with th
 
 import os
 import re
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
@@ -38,6 +38,17 @@ _DYNAMIC_SOURCES = ",".join([
 # or that builds a compiled model and then serves it (llama/server/runner.py). With fullgraph=True, passing the
 # limit is an error, not a slower eager step.
 RECOMPILE_LIMIT = 64
+# What `compile` means where it is not given (Llama.build, every command): "0" eager, "1" compile=True, unset or
+# "auto" the stored step wherever it can be had.
+COMPILE_ENV = "LLAMA_COMPILE"
+
+
+def default_compile() -> Union[bool, str]:
+    """compile= when not given: "auto" unless $LLAMA_COMPILE says 0 (False) or 1 (True)."""
+    value = os.environ.get(COMPILE_ENV, "auto")
+    if value not in ("0", "1", "auto"):
+        raise LlamaError(f"{COMPILE_ENV} must be 0, 1 or auto, not {value!r}")
+    return "auto" if value == "auto" else value == "1"
 
 
 class CompileFailed(LlamaError):
@@ -107,14 +118,16 @@ class CompiledStep:
         return self._notes + (self.ahead_of_time.notes if self.ahead_of_time is not None else [])
 
 
-def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False) -> CompiledStep:
+def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False,
+                 batch_size: int = 1) -> CompiledStep:
     """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
 
     The model's linear layers become the compiled step's classes in place (llama/linears.py: the same
     weights, the same state_dict, exact eager behaviour). Float weights should be stored as they load
-    (row-major): the reduction reads each row contiguously. The one-token step at batch 1 is ready when this
-    returns: on the CPU loaded from its stored package (built and stored first if there is none, reported to
-    `progress`), on a GPU compiled. Other batch sizes, and the uncached step, are made at their first call.
+    (row-major): the reduction reads each row contiguously. The one-token step at `batch_size` is ready when
+    this returns: on the CPU loaded from its stored package (built and stored first if there is none, reported
+    to `progress`), on a GPU compiled (at batch 1). Other batch sizes, and the uncached step, are made at their
+    first call.
 
     With `eager_otherwise` (compile="auto") nothing goes to torch.compile: the steps the package does not
     take, and all of them where there is none (a GPU, layers it cannot hold), run eagerly.
@@ -126,7 +139,7 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
     try:
         if step.ahead_of_time is not None:
             try:
-                step.ahead_of_time.runner(1)  # loaded from its package, or built and stored first
+                step.ahead_of_time.runner(batch_size)  # loaded from its package, or built and stored first
                 return step
             except Unsupported:
                 step.ahead_of_time = None

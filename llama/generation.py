@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile import CompileFailed, CompiledStep, compile_step
+from llama.compile import CompileFailed, CompiledStep, compile_step, default_compile
 from llama.convert.cache import resolve_checkpoint
 from llama.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.distributed import init_distributed
@@ -142,10 +142,11 @@ class Llama:
         seed: int = 1,
         device: Optional[Union[str, torch.device]] = None,
         dtype: Optional[Union[str, torch.dtype]] = None,
-        compile: Union[bool, str] = False,
+        compile: Optional[Union[bool, str]] = None,
         quantize: Optional[str] = None,
         progress: Optional[Progress] = None,
         quant_kernels: str = "integer",
+        compile_batch_size: int = 1,
     ) -> "Llama":
         """Load a checkpoint in Meta's layout.
 
@@ -167,14 +168,18 @@ class Llama:
                 the one-token step with the cache comes from a package stored under $LLAMA_HOME (built the
                 first time for a model shape and batch size, in under a minute for small models, then loaded
                 in milliseconds; llama/aot.py), and every other step (the uncached one, any step on a GPU) is
-                compiled by torch.compile at its first use (minutes). "auto", what the commands do by default:
-                the stored step where it can be had (the CPU, one process, a C++ compiler), everything else
-                eager, with a note when the compiler is missing. Needs a C++ compiler on the CPU; one process only.
+                compiled by torch.compile at its first use (minutes). "auto": the stored step where it can be
+                had (the CPU, one process, a C++ compiler), everything else eager, with a note when the
+                compiler is missing. False: every step eager, the plain reference. None (the default) is what
+                the commands do with no flag: "auto", unless $LLAMA_COMPILE is 0 (False) or 1 (True). A
+                first build is silent unless `progress` is given. Needs a C++ compiler on the CPU; one process only.
             quantize: None, "int8" (per output channel) or "int4" (groups of 32 columns): quantize every
                 linear layer as it loads (llama/quantize.py). A checkpoint stored quantized (it has
                 quantization.json) loads as stored without it; asking it for another method is an error.
             progress: told ("loading weights", done, total) as the tensors load, and around a first build of
                 the integer kernels (llama/progress.py).
+            compile_batch_size: the batch size whose compiled step is ready when this returns (loaded, or built
+                and stored); steps at other batch sizes are made at their first use.
             quant_kernels: what quantized layers multiply with on the CPU. "integer" (the default): the
                 integer kernels of llama/kernels, which round each row of activations to int8 blocks of 32
                 as llama.cpp does (fast; cached and uncached runs agree within the bound
@@ -196,6 +201,8 @@ class Llama:
         dtype_given = dtype is not None
         dtype = resolve_dtype(dtype, device)
         rank, world_size = init_distributed(device, model_parallel_size)
+        if compile is None:
+            compile = default_compile()
         if compile not in (True, False, "auto"):
             raise LlamaError(f"compile must be True, False or \"auto\", not {compile!r}")
         auto = compile == "auto"
@@ -238,7 +245,7 @@ class Llama:
         if compile:
             compile_start = time.perf_counter()
             try:
-                llama.compiled_step = compile_step(model, progress, eager_otherwise=auto)
+                llama.compiled_step = compile_step(model, progress, eager_otherwise=auto, batch_size=compile_batch_size)
             except CompileFailed as e:
                 if not auto:
                     raise

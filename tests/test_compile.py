@@ -126,6 +126,12 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
     chat_eager = run("llama-chat", "--ckpt-dir", nonstop_ckpt, "--temperature", "0", "--max-gen-len", "8", "--no-compile",
                      input="Hello\n")
     assert chat.returncode == 0 and BUILDING not in chat.stderr and chat.stdout == chat_eager.stdout, chat.stderr
+    # llama-bench too: its cached steps on the stored step, its uncached ones eager, as its table says.
+    bench = run("llama-bench", "--ckpt-dir", nonstop_ckpt, "--lengths", "4", "--warmup", "1", "--noplot",
+                "--out-dir", tmp_path.parent / "bench", env=_default_env(tmp_path))
+    assert bench.returncode == 0 and BUILDING not in bench.stderr, bench.stderr
+    rows = json.loads((tmp_path.parent / "bench" / "bench.json").read_text())["rows"]
+    assert {(r["kv_cache"], r["step"]) for r in rows} == {(True, "compiled"), (False, "eager")}
     assert second.stdout == first.stdout == run("llama-generate", "--ckpt-dir", nonstop_ckpt, "--prompt", "The history of",
                                                "--temperature", "0", "--max-gen-len", "24").stdout
 
@@ -159,6 +165,8 @@ def test_the_default_leaves_uncached_steps_eager_and_both_flags_are_refused(nons
     assert uncached.stdout == eager.stdout and not list(tmp_path.iterdir())  # nothing was built
     both = run("llama-generate", *args, "--compile", "--no-compile")
     assert both.returncode == 1 and "--compile and --no-compile contradict each other" in both.stderr
+    unknown = run("llama-generate", *args, env={"LLAMA_COMPILE": "yes"})
+    assert unknown.returncode == 1 and unknown.stderr == "error: LLAMA_COMPILE must be 0, 1 or auto, not 'yes'\n"
 
 
 def test_without_a_compiler_the_default_runs_eagerly_with_one_note(nonstop_ckpt, tmp_path):
@@ -199,6 +207,7 @@ def test_a_torch_the_stored_step_was_not_checked_on_runs_eagerly_with_a_note(gqa
 
     monkeypatch.setattr(aot, "SUPPORTED", False)
     monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
-    llama = build(gqa_ckpt, compile="auto")
+    monkeypatch.setenv("LLAMA_COMPILE", "auto")  # what a user has; conftest.py sets 0
+    llama = build(gqa_ckpt)  # no compile=: Llama.build's default is the commands' default, "auto"
     assert llama.compiled_step is None and not list(tmp_path.iterdir())
     assert [n for n in llama.info.notes if "needs torch 2.13 or newer" in n] == [aot.UNSUPPORTED_NOTE]

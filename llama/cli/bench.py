@@ -14,7 +14,7 @@ import torch
 
 from llama.bench import Run, measure
 from llama.cli.common import fail, run, whole_numbers
-from llama.cli.loading import build_from_flags, is_main_rank, model_flag
+from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.files import write_atomically
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 1024)
@@ -42,6 +42,7 @@ def main(
     plot: bool = True,
     warmup: int = 8,
     compile: bool = False,
+    no_compile: bool = False,
     quantize: str = None,
     quant_kernels: str = "integer",
     model: str = None,
@@ -72,9 +73,13 @@ def main(
         dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         out_dir: where bench.csv, bench.json and bench.png are written.
         plot: draw bench.png (needs matplotlib).
-        warmup: tokens generated once before measuring, to settle kernels and allocators (and, with
-            --compile, to compile every batch size and mode before the clock starts).
-        compile: measure the compiled decode step (torch.compile) instead of the eager one.
+        warmup: tokens generated once before measuring, to settle kernels and allocators (and to load or
+            compile every batch size's step before the clock starts).
+        compile: compile every step: the uncached ones and any on a GPU with torch.compile (minutes).
+            Without it, the cached steps on the CPU run the stored compiled step, as every command's do
+            (built once per model shape and batch size, then loaded from $LLAMA_HOME), and the uncached ones
+            run eagerly; the table says which step each mode ran.
+        no_compile: run every step eagerly, as the plain reference model does.
         quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
             channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
             loads as stored without it.
@@ -91,8 +96,9 @@ def main(
     if time_budget <= 0:
         fail(f"--time-budget must be positive, not {time_budget}")
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype, compile, quantize,
-                             quant_kernels)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype,
+                             compile_flag(compile, no_compile, no_kv_cache=mode_names == ["no-cache"]), quantize,
+                             quant_kernels, batch_sizes[0])
     prompt_tokens = llama.tokenizer.encode(str(prompt), bos=True, eos=False)
     longest = min(max(lengths), max_seq_len - len(prompt_tokens))
     if longest < 1:
@@ -121,7 +127,7 @@ def main(
     if not main_rank:
         return
 
-    rows = _rows(runs, lengths)
+    rows = _rows(runs, lengths, {kv: step_kind(llama, kv) for kv in (True, False)})
     _print_table(rows)
     out = Path(str(out_dir))
     out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +143,17 @@ def main(
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
 
 
-def _rows(runs: List[Run], lengths: List[int]) -> List[dict]:
+def step_kind(llama, kv_cache: bool) -> str:
+    """The decode step a mode runs: "compiled" (the stored one), "torch.compile" or "eager"."""
+    step = llama.compiled_step
+    if step is None:
+        return "eager"
+    if kv_cache and step.ahead_of_time is not None:
+        return "compiled"
+    return "eager" if step.eager_otherwise else "torch.compile"
+
+
+def _rows(runs: List[Run], lengths: List[int], steps: dict) -> List[dict]:
     rows = []
     by_key = {(r.batch_size, r.kv_cache): r for r in runs}
     for r in runs:
@@ -151,6 +167,7 @@ def _rows(runs: List[Run], lengths: List[int]) -> List[dict]:
             rows.append({
                 "batch_size": r.batch_size,
                 "kv_cache": r.kv_cache,
+                "step": steps[r.kv_cache],
                 "new_tokens": n,
                 "prompt_tokens": r.prompt_tokens,
                 "prefill_ms": round(1000 * r.prefill_s, 2),
@@ -165,13 +182,13 @@ def _rows(runs: List[Run], lengths: List[int]) -> List[dict]:
 
 
 def _print_table(rows: List[dict]) -> None:
-    header = ["batch", "kv cache", "new tokens", "prefill ms", "total s", "decode tok/s", "last token ms",
+    header = ["batch", "kv cache", "step", "new tokens", "prefill ms", "total s", "decode tok/s", "last token ms",
               "speedup", "peak MiB", "kv cache MiB"]
     lines = [header]
     for row in rows:
         def fmt(v, spec):
             return "-" if v is None else format(v, spec)
-        lines.append([str(row["batch_size"]), "on" if row["kv_cache"] else "off", str(row["new_tokens"]),
+        lines.append([str(row["batch_size"]), "on" if row["kv_cache"] else "off", row["step"], str(row["new_tokens"]),
                       fmt(row["prefill_ms"], ".1f"), fmt(row["total_s"], ".2f"), fmt(row["decode_tokens_per_s"], ".1f"),
                       fmt(row["last_token_ms"], ".1f"),
                       fmt(row["speedup_vs_no_cache"], ".1f") + ("x" if row["speedup_vs_no_cache"] else ""),
@@ -201,7 +218,7 @@ def _environment(llama, ckpt_dir, prompt_tokens) -> dict:
         "threads": torch.get_num_threads(),
         "dtype": str(llama.model.dtype).removeprefix("torch."),
         "quantization": llama.info.quantization,
-        "compiled": llama.compiled_step is not None,
+        "steps": {"cache": step_kind(llama, True), "no-cache": step_kind(llama, False)},
         "torch": torch.__version__,
         "python": platform.python_version(),
         "prompt_tokens": len(prompt_tokens),
@@ -243,7 +260,9 @@ def _plot(runs: List[Run], lengths: List[int], path: Path, meta: dict):
     ax2.grid(True, alpha=0.3)
     if ax2.lines:
         ax2.legend()
-    compiled = ", torch.compile" if meta["compiled"] else ""
+    steps = meta["steps"]
+    compiled = "" if set(steps.values()) == {"eager"} else \
+        f", steps: cache {steps['cache']}, no cache {steps['no-cache']}"
     quant = f" {meta['quantization']}" if meta.get('quantization') else ""
     fig.suptitle(f"{meta['checkpoint']} - {meta['device']}, {meta['dtype']}{quant}{compiled}, {meta['threads']} threads, "
                  f"torch {meta['torch']}", fontsize=9)

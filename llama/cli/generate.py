@@ -132,7 +132,7 @@ def main(
             fail("--precompile builds the compiled decode step with the KV cache; leave out --no-compile and --no-kv-cache")
         sizes = batch_sizes(precompile)
         llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(max_batch_size, *sizes), seed, device,
-                                 dtype, "auto", quantize, quant_kernels)
+                                 dtype, "auto", quantize, quant_kernels, sizes[0])
         store_compiled_steps(llama, sizes)
         return
     prompts = read_prompts(prompt, prompts_file)
@@ -149,7 +149,7 @@ def main(
 
     load_start = time.perf_counter()
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype,
-                             compile_flag(compile, no_compile, no_kv_cache), quantize, quant_kernels)
+                             compile_flag(compile, no_compile, no_kv_cache), quantize, quant_kernels, len(prompts))
     load_s = time.perf_counter() - load_start
     if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")

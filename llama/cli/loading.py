@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 from llama.cli.common import as_flags, fail
 from llama.cli.progress import ProgressPrinter
+from llama.compile import default_compile
 from llama.convert.cache import resolve_checkpoint
 from llama.devices import resolve_device
 from llama.download import default_model_dir
@@ -20,28 +21,22 @@ def default_ckpt_dir() -> str:
     return str(default_model_dir(fetch=True, progress=ProgressPrinter(prefix="llama-download: ")))
 
 
-# "0" makes the commands' default eager, "1" --compile; unset or "auto", the stored step where it can be had.
-COMPILE_ENV = "LLAMA_COMPILE"
-
-
 def compile_flag(compile: bool, no_compile: bool, no_kv_cache: bool = False) -> Union[bool, str]:
-    """What --compile and --no-compile ask of Llama.build: True, False, or "auto" when neither is given (the
-    stored compiled step wherever it can be had, every other step eager; $LLAMA_COMPILE can change that)."""
+    """What --compile and --no-compile ask of Llama.build: True, False, or where neither is given what
+    $LLAMA_COMPILE says (llama.compile.default_compile: unset, "auto", the stored compiled step wherever it can be
+    had and every other step eager)."""
     if compile and no_compile:
         fail("--compile and --no-compile contradict each other; give one")
     if compile or no_compile:
         return bool(compile)
-    default = os.environ.get(COMPILE_ENV, "auto")
-    if default not in ("0", "1", "auto"):
-        fail(f"{COMPILE_ENV} must be 0, 1 or auto, not {default!r}")
-    if default != "auto":
-        return default == "1"
-    return False if no_kv_cache else "auto"  # the stored step serves only cached steps
+    default = default_compile()
+    return False if no_kv_cache and default == "auto" else default  # the stored step serves only cached steps
 
 
 def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
                      seed: int, device: Optional[str], dtype: Optional[str], compile: Union[bool, str] = False,
-                     quantize: Optional[str] = None, quant_kernels: str = "integer") -> Llama:
+                     quantize: Optional[str] = None, quant_kernels: str = "integer",
+                     compile_batch_size: int = 1) -> Llama:
     ckpt_dir = converted(ckpt_dir) if ckpt_dir is not None else None
     if compile is True and resolve_device(device).type != "cpu":
         # On the CPU the step comes from a stored package, and building one reports itself (llama/aot.py).
@@ -58,6 +53,7 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         compile=compile,
         quantize=quantize,
         quant_kernels=str(quant_kernels),
+        compile_batch_size=compile_batch_size,
         # Under torchrun every rank loads alike: rank 0's reports stand for all.
         progress=_progress(ckpt_dir) if os.environ.get("RANK", "0") == "0" else None,
     )
