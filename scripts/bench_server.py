@@ -11,7 +11,7 @@ content) and time per output token after it (TPOT), p50 and p99, and total gener
 run's wall time.
 
 Ours runs the default model (SmolLM2-135M-Instruct) in float32 with OMP_NUM_THREADS=--threads (and, as
-llama-server always does unless told otherwise, OMP_WAIT_POLICY=PASSIVE), as llama-server runs with no flags
+llama-server always does unless told otherwise, GOMP_SPINCOUNT=10000), as llama-server runs with no flags
 (the decode step compiled ahead of time and loaded from $LLAMA_HOME; the first start builds it, before any
 timing), or with --eager as `llama-server --no-compile` (both with --eager --also-default). llama.cpp's
 server is built here, once, into --cache-dir from the vendored tree of the llama-cpp-python source

@@ -285,14 +285,21 @@ def _Server(app, grace: float):
     return _uvicorn_server()(app, grace)
 
 
+# How long an idle OpenMP worker of the server spins before it sleeps (libgomp's GOMP_SPINCOUNT, in spins).
+SPIN_COUNT = "10000"
+
+
 def cli() -> None:
-    # OpenMP's workers spin between parallel regions unless told to sleep, and the policy is read once, when torch
-    # loads it: too early for anything but the environment. A server shares its cores with its own HTTP thread
-    # and its clients, and there spinning workers starve the very threads they wait for: on the shared 2-core
-    # machine, one client got 2.7 tokens/s spinning against 8.3 sleeping, four clients 1.0 against 11.3
-    # (scripts/bench_server.py, docs/benchmarks.md). So, unless the variable is set, start again with it set.
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    # OpenMP's workers spin between parallel regions, and how long is read once, when torch loads the runtime: too
+    # early for anything but the environment. A server shares its cores with its own HTTP thread and its clients.
+    # Left spinning (libgomp's default, 300,000 spins), its workers starved the very threads they wait for: on
+    # the shared 2-core machine one client got 2.7 tokens/s against 8.3 with OMP_WAIT_POLICY=PASSIVE. Asleep at
+    # once, each of a step's hundreds of parallel regions waits for a worker to wake, and a 576 x 1024 product of
+    # 8 rows took as long as on one thread (135 against 79 us). A short spin keeps the workers through a step
+    # and frees the cores between steps: 8 clients got 122 tokens/s against 96 asleep, one client 40 against 30
+    # (scripts/bench_server.py, docs/benchmarks.md). So, unless either variable is set, start again with it set.
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
         os.execv(sys.executable, [sys.executable, "-m", "llama.cli.server", *sys.argv[1:]])
     run(main, "llama-server", quick_exit=False)  # no one waits on a stop: its threads end as they will
 
