@@ -16,7 +16,12 @@ namespace llama_kv {
 
 namespace {
 
-constexpr int PREFETCH = 2048;  // bytes of the weight row read ahead
+// How far ahead in the weights each step asks for them: into L1 for the next few rows, and into L2 further on,
+// which keeps enough of the stream in flight to cover memory's latency while the rows are multiplied. The L2
+// request 16 KB ahead took the default model's matrices from 30.1 to 21.4 ms at 8 rows and from 19.5 to
+// 17.2 ms at 2 rows (4 KB into L1 alone did nothing). Prefetches past the end of the weights never fault.
+constexpr int PREFETCH = 2048;
+constexpr int PREFETCH_L2 = 16384;
 // Activations of more bytes than this (an L1 data cache) go two weight rows a pass on the AVX-512 path, so that
 // they stream through the core half as often: every weight matrix of the default model, 12 rows 44.5 -> 41.7 ms
 // and 16 rows 60.7 -> 54.5 ms, 4 and 8 rows unchanged (one row a pass was as fast or faster below it).
@@ -57,6 +62,7 @@ LK_AVX2 void tile_avx2(const float* x, int64_t K, const float* w, float* y, int6
   const int64_t K8 = K & ~int64_t(7);
   for (int64_t k = 0; k < K8; k += 8) {
     _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_L2, _MM_HINT_T1);
     const __m256 wv = _mm256_loadu_ps(w + k);
     for (int m = 0; m < MT; m++) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
   }
@@ -95,6 +101,7 @@ LK_AVX512F void tile_avx512(const float* x, int64_t K, const float* w, float* y,
   const int64_t K16 = K & ~int64_t(15);
   for (int64_t k = 0; k < K16; k += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_L2, _MM_HINT_T1);
     const __m512 wv = _mm512_loadu_ps(w + k);
     for (int m = 0; m < MT; m++) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
   }
@@ -117,6 +124,8 @@ LK_AVX512F void tile2_avx512(const float* x, int64_t K, const float* w, float* y
   for (int64_t k = 0; k < K16; k += 16) {
     _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w1 + k) + PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_L2, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + k) + PREFETCH_L2, _MM_HINT_T1);
     const __m512 v0 = _mm512_loadu_ps(w + k), v1 = _mm512_loadu_ps(w1 + k);
     for (int m = 0; m < MT; m++) {
       const __m512 xv = _mm512_loadu_ps(x + m * K + k);
