@@ -79,16 +79,20 @@ LK_AVX512VNNI void q8_0_pair(const int8_t* w0, const int8_t* w1, const uint16_t*
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   for (int64_t b = 0; b < nb; b++) {
     const int64_t at = b * Q8_BLOCK_BYTES;
-    __m512i isum[MT];
-    for (int m = 0; m < MT; m++) isum[m] = _mm512_setzero_si512();
-    for (int j = 0; j < QK / 4; j++) {
+    __m512i isum[MT], odd[MT];  // two chains of vpdpbusd, even and odd j: one waits on its latency at one row
+    for (int m = 0; m < MT; m++) isum[m] = odd[m] = _mm512_setzero_si512();
+    for (int j = 0; j < QK / 4; j += 2) {
       const __m512i u = _mm512_xor_si512(two_groups(w0 + at + 32 * j, w1 ? w1 + at + 32 * j : nullptr), flip);
+      const __m512i u1 = _mm512_xor_si512(two_groups(w0 + at + 32 * j + 32, w1 ? w1 + at + 32 * j + 32 : nullptr), flip);
       for (int m = 0; m < MT; m++) {
-        int32_t word;
+        int32_t word, word1;
         std::memcpy(&word, act[m].q + b * QK + 4 * j, 4);
+        std::memcpy(&word1, act[m].q + b * QK + 4 * j + 4, 4);
         isum[m] = _mm512_dpbusd_epi32(isum[m], u, _mm512_set1_epi32(word));
+        odd[m] = _mm512_dpbusd_epi32(odd[m], u1, _mm512_set1_epi32(word1));
       }
     }
+    for (int m = 0; m < MT; m++) isum[m] = _mm512_add_epi32(isum[m], odd[m]);  // integers: the same sum in any order
     const __m512 dw = two_groups_halves(s0 + b * ROWS, s1 ? s1 + b * ROWS : nullptr);
     for (int m = 0; m < MT; m++) {
       const __m512i exact = _mm512_sub_epi32(isum[m], _mm512_set1_epi32(128 * act[m].sum[b]));
@@ -107,8 +111,8 @@ LK_AVX512VNNI void q4_1_pair(const uint8_t* w0, const uint8_t* w1, const uint16_
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; b++) {
     const int64_t at = b * Q4_BLOCK_BYTES;
-    __m512i isum[MT];
-    for (int m = 0; m < MT; m++) isum[m] = _mm512_setzero_si512();
+    __m512i isum[MT], hsum[MT];  // low and high nibbles in two chains of vpdpbusd, not one waiting on its latency
+    for (int m = 0; m < MT; m++) isum[m] = hsum[m] = _mm512_setzero_si512();
     for (int p = 0; p < QK / 8; p++) {
       const __m512i packed = two_groups(w0 + at + 32 * p, w1 ? w1 + at + 32 * p : nullptr);
       const __m512i low = _mm512_and_si512(packed, nibble);
@@ -118,9 +122,10 @@ LK_AVX512VNNI void q4_1_pair(const uint8_t* w0, const uint8_t* w1, const uint16_
         std::memcpy(&lo_word, act[m].q + b * QK + 4 * p, 4);
         std::memcpy(&hi_word, act[m].q + b * QK + QK / 2 + 4 * p, 4);
         isum[m] = _mm512_dpbusd_epi32(isum[m], low, _mm512_set1_epi32(lo_word));
-        isum[m] = _mm512_dpbusd_epi32(isum[m], high, _mm512_set1_epi32(hi_word));
+        hsum[m] = _mm512_dpbusd_epi32(hsum[m], high, _mm512_set1_epi32(hi_word));
       }
     }
+    for (int m = 0; m < MT; m++) isum[m] = _mm512_add_epi32(isum[m], hsum[m]);  // integers: the same sum in any order
     const __m512 dw = two_groups_halves(s0 + b * ROWS, s1 ? s1 + b * ROWS : nullptr);
     const __m512 mw = two_groups_halves(m0 + b * ROWS, m1 ? m1 + b * ROWS : nullptr);
     for (int m = 0; m < MT; m++) {
