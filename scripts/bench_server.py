@@ -166,7 +166,10 @@ async def one_request(client: httpx.AsyncClient, url: str, k: int) -> Dict[str, 
 
 
 async def load(url: str, clients: int, requests: int) -> Dict[str, float]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    # A new connection for each request, for both servers: llama.cpp's closed kept-alive connections as httpx reused
+    # them ("Server disconnected without sending a response"; in 2 of 4 runs of 8 clients, nothing in its log).
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def run_client(c: int) -> List[Dict[str, float]]:
             return [await one_request(client, url, c * requests + i) for i in range(requests)]
 
