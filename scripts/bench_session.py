@@ -105,7 +105,8 @@ def main():
         from llama.download import default_model_dir
 
         args.ckpt_dir = default_model_dir()
-    llama = Llama.build(args.ckpt_dir, max_seq_len=2048, max_batch_size=1, device="cpu", dtype="float32")
+    llama = Llama.build(args.ckpt_dir, max_seq_len=2048, max_batch_size=1, device="cpu", dtype="float32",
+                        compile=False)
     llama.generate([llama.tokenizer.encode("Warm up.", bos=True, eos=False)], 4, temperature=0)
 
     runs = [conversation_ttft(llama, args.max_gen_len) for _ in range(args.repeats)]

@@ -42,7 +42,7 @@ def build_torchao(method: str, compile: bool, max_seq_len: int):
     from llama.download import default_model_dir
 
     llama = Llama.build(default_model_dir(), max_seq_len=max_seq_len, max_batch_size=1, device="cpu",
-                        dtype="bfloat16")
+                        dtype="bfloat16", compile=False)
     config = (Int8WeightOnlyConfig(set_inductor_config=False) if method == "int8"
               else PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False))
     quantize_(llama.model, config)

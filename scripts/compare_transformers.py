@@ -7,8 +7,8 @@
 
 All load the default model (SmolLM2-135M-Instruct, from the same GGUF) on the CPU and decode greedily at
 batch 1 from the same prompt token ids, each with its KV cache, ignoring stop tokens. Ours runs in float32
-eagerly (the default) and with --compile (compiled before any timing: on the CPU the stored package of
-llama/aot.py; --torch_compile adds the step torch.compile makes in the process, as --compile did before);
+eagerly (`--no-compile`) and compiled, as every command runs with no flag (compiled before any timing: on the CPU
+the stored package of llama/aot.py; --torch_compile adds the step torch.compile makes in the process);
 with --quantize int8 / int4, unless
 --noquantized, on each of --quant_kernels: "integer" (the integer kernels of llama/kernels, float32 eager
 and compiled, and bf16) and "exact" (the weight-only paths: float32 compiled, bf16 eager and compiled).
@@ -191,14 +191,14 @@ def quantized_variants(ckpt, kinds, quant_kernels, compile: bool, build: dict) -
         for qk in quant_kernels:
             common = dict(quantize=kind, quant_kernels=qk, **build)
             if qk == "integer":  # the same kernels eager, compiled and in bf16
-                ours[f"{label} integer"] = Llama.build(ckpt, dtype="float32", **common)
+                ours[f"{label} integer"] = Llama.build(ckpt, dtype="float32", compile=False, **common)
                 if compile:
                     ours[f"{label} integer --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **common)
-                ours[f"{label} integer bf16"] = Llama.build(ckpt, dtype="bfloat16", **common)
+                ours[f"{label} integer bf16"] = Llama.build(ckpt, dtype="bfloat16", compile=False, **common)
             else:  # float32 only compiled (eagerly it widens weights: exact but slow); bf16: torch's kernels
                 if compile:
                     ours[f"{label} exact --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **common)
-                ours[f"{label} exact bf16"] = Llama.build(ckpt, dtype="bfloat16", **common)
+                ours[f"{label} exact bf16"] = Llama.build(ckpt, dtype="bfloat16", compile=False, **common)
                 if compile:
                     ours[f"{label} exact bf16 --compile"] = Llama.build(ckpt, dtype="bfloat16", compile=True, **common)
     return ours
@@ -224,7 +224,7 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
     stored = read_record(ckpt) is not None
     ours = {}
     if not stored:
-        ours["ours"] = Llama.build(ckpt, dtype="float32", **build)
+        ours["ours"] = Llama.build(ckpt, dtype="float32", compile=False, **build)
         if compile:
             ours["ours --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **build)
         if torch_compile:  # the compiled step as it was before the stored packages (llama/aot.py)

@@ -53,7 +53,7 @@ def main(new_tokens: int = 64, repeats: int = 5, threads: int = 2):
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         raise SystemExit("this torch has no oneDNN linear op; nothing to compare")
     torch.set_num_threads(threads)
-    build = dict(max_seq_len=new_tokens + 64, max_batch_size=1, device="cpu", dtype="float32")
+    build = dict(max_seq_len=new_tokens + 64, max_batch_size=1, device="cpu", dtype="float32", compile=False)
     variants = {
         "F.linear, column-major": Llama.build(default_model_dir(), **build),
         "oneDNN, column-major": onednn(Llama.build(default_model_dir(), **build)),
