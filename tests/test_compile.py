@@ -211,3 +211,19 @@ def test_a_torch_the_stored_step_was_not_checked_on_runs_eagerly_with_a_note(gqa
     llama = build(gqa_ckpt)  # no compile=: Llama.build's default is the commands' default, "auto"
     assert llama.compiled_step is None and not list(tmp_path.iterdir())
     assert [n for n in llama.info.notes if "needs torch 2.13 or newer" in n] == [aot.UNSUPPORTED_NOTE]
+
+
+def test_build_readies_the_batch_size_asked_for_and_no_other(gqa_ckpt, monkeypatch):
+    """llama-generate --prompts-file with N prompts runs at batch size N: the package for N is the one loaded (or
+    built) before generating, not batch 1's as well."""
+    from llama import aot
+
+    asked = []
+
+    def record(self, size):  # instead of loading or building: say which, and that none can be had
+        asked.append(size)
+        raise aot.Unsupported("not built in this test")
+
+    monkeypatch.setattr(aot.AheadOfTimeStep, "_load_or_build", record)
+    llama = build(gqa_ckpt, compile="auto", compile_batch_size=3)
+    assert asked == [3] and llama.compiled_step is None  # nothing stored could serve: the default runs eagerly
