@@ -2,9 +2,11 @@
 
     python scripts/write_random_gguf.py /work/big/llama-7b-q4_0.gguf --size 7B --type Q4_0
     python scripts/write_random_gguf.py /tmp/small.gguf --size 7B --n_layers 4 --type Q8_0
+    python scripts/write_random_gguf.py /work/big/7b-8l-F16.gguf --size 7B --n_layers 8 --type F16
 
 The linear layers and the embedding are random valid blocks of `--type` (Q4_0, Q4_1 or Q8_0: random
-values with small positive scales), the norms float32 ones, as in llama.cpp's files of that type. The
+values with small positive scales) or, with F16, float16 values drawn from N(0, 0.02^2), for llama.cpp's own
+quantizer to make its types from; the norms float32 ones, as in llama.cpp's files of that type. The
 vocabulary is LLaMA-2's (`llama-download llama2-tokenizer` fetches it). The file is written one tensor at
 a time, so memory stays at one tensor whatever the size.
 """
@@ -44,8 +46,8 @@ def main(dest: str, size: str = "7B", type: str = "Q4_0", vocab: Optional[str] =
 
     if size not in PRESETS:
         raise SystemExit(f"error: unknown size {size!r}; choose one of {', '.join(PRESETS)}")
-    if type not in BLOCK_FIELDS:
-        raise SystemExit(f"error: --type must be one of {', '.join(BLOCK_FIELDS)}, not {type!r}")
+    if type not in BLOCK_FIELDS and type != "F16":
+        raise SystemExit(f"error: --type must be one of {', '.join(BLOCK_FIELDS)} or F16, not {type!r}")
     qtype = gguf.GGMLQuantizationType[type]
     try:
         vocab_path = Path(vocab) if vocab else fetch_llama2_vocab() / VOCAB_GGUF
@@ -90,6 +92,8 @@ def main(dest: str, size: str = "7B", type: str = "Q4_0", vocab: Optional[str] =
     for name, shape in shapes:
         if len(shape) == 1:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
+        elif type == "F16":
+            writer.add_tensor_info(name, shape, np.dtype(np.float16), shape[0] * shape[1] * 2)
         else:
             rows, cols = shape
             writer.add_tensor_info(name, (rows, cols // block_size * type_size), np.dtype(np.uint8),
@@ -100,7 +104,12 @@ def main(dest: str, size: str = "7B", type: str = "Q4_0", vocab: Optional[str] =
     rng = np.random.default_rng(seed)
     progress = ProgressPrinter()
     for i, (name, shape) in enumerate(shapes):
-        array = np.ones(shape, dtype=np.float32) if len(shape) == 1 else random_blocks(rng, *shape, qtype)
+        if len(shape) == 1:
+            array = np.ones(shape, dtype=np.float32)
+        elif type == "F16":
+            array = (0.02 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float16)
+        else:
+            array = random_blocks(rng, *shape, qtype)
         writer.write_tensor_data(array)
         progress("writing random GGUF", i + 1, len(shapes))
     writer.close()
