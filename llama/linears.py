@@ -23,6 +23,8 @@ once. Every quantized class's `state_dict()` is the on-disk layout.
     Int8DotLinear       int8 blocks of 32, 8 rows interleaved   llama_kv.q8_0_linear: activations rounded to
                                                                 int8 blocks, integer dot products (CPU)
     Int4DotLinear       int4 blocks of 32, 8 rows interleaved   llama_kv.q4_1_linear, the same with int4
+    Int8SixteensDotLinear int8 groups of 16, as two Q8_0 layouts  llama_kv.q8_0_linear twice, each group beside
+                        of blocks of 32                         zeros (a GGUF's Q6_K)
 
 The two Dot classes (llama/int_linears.py) are what a quantized CPU model runs by default: they round the
 activations too, so they multiply by the same weights but not the same activations, within a bound the tests

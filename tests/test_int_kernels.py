@@ -32,7 +32,7 @@ from torch import nn
 from helpers import REPO, build
 from llama import kernels
 from llama import quant_format as qf
-from llama.int_linears import Int4DotLinear, Int8DotLinear
+from llama.int_linears import Int4DotLinear, Int8DotLinear, Int8SixteensDotLinear
 from llama.kernels import layout
 from llama.kernels.build import missing
 from llama.linears import Int4Linear, Int8KernelLinear, Int8Linear, QuantizedLinear
@@ -323,6 +323,36 @@ def test_a_kernel_layer_holds_the_stored_values_and_multiplies_them(method, grou
         assert torch.equal(back.state_dict()[name], tensor), name
 
 
+def test_int8_groups_of_16_run_on_the_kernel_as_two_halves(monkeypatch):
+    """A GGUF's Q6_K becomes int8 in groups of 16 (llama.cpp's default output layer for Q4_0): held as two layouts of
+    blocks of 32, each group beside 16 zeros, the layer gives back its on-disk tensors exactly, and its product is
+    the two halves' kernel products added."""
+    import llama.int_linears as int_linears
+
+    gen = torch.Generator().manual_seed(11)
+    stored = _layer("int8", 75, 256, 16, gen)
+    monkeypatch.setattr(int_linears, "_CHUNK_ELEMENTS", 16 * 256)  # five slices, the last one short
+    layer = Int8SixteensDotLinear.from_layer(stored, torch.float32)
+    for name, tensor in stored.state_dict().items():
+        assert torch.equal(layer.state_dict()[name], tensor), name
+    assert torch.equal(layer.dequantized(), stored.dequantized())
+    for start, end in [(0, 8), (3, 20), (70, 75), (8, None)]:
+        for a, b in zip(layer.format_values(start, end), stored.format_values(start, end)):
+            assert torch.equal(a, b)
+    values, scales = stored.format_values()
+    halves = values.reshape(75, 256 // QK, 2, 16)
+    zeros = torch.zeros_like(halves[:, :, 0])
+    first = torch.cat((halves[:, :, 0], zeros), dim=-1).reshape(75, 256)
+    second = torch.cat((zeros, halves[:, :, 1]), dim=-1).reshape(75, 256)
+    x = torch.randn(2, 3, 256, generator=gen)
+    (y1, b1), (y2, b2) = (ref_linear(x.reshape(6, 256), v, scales[:, i::2]) for i, v in enumerate((first, second)))
+    want, bound = y1 + y2, b1 + b2
+    bound = bound + 2.0 ** -24 * (want.abs() + bound)  # the two products added in float32
+    got = layer(x)
+    assert got.shape == (2, 3, 75)
+    assert ((got.reshape(6, 75).double() - want).abs() <= bound).all()
+
+
 @pytest.fixture(scope="module")
 def models(gqa_ckpt):
     return {(m, dt, qk): build(gqa_ckpt, quantize=m, dtype=dt, quant_kernels=qk)
@@ -347,11 +377,12 @@ def test_quantized_cpu_models_run_on_the_kernels_unless_asked_for_the_exact_path
 
 
 def test_what_the_kernels_cannot_hold_stays_on_the_exact_paths(gqa_ckpt):
-    """int8 groups of 16 (what a GGUF's Q6_K becomes) and float16 activations."""
-    model = quantize_model(build(gqa_ckpt).model, "int8", group_size=16)
-    assert isinstance(model.layers[0].attention.wq, Int8Linear)
-    layer = _layer("int8", 64, 64, None, torch.Generator().manual_seed(0))
+    """float16 activations, and int8 groups of 16 (what a GGUF's Q6_K becomes) among them."""
     from llama.linears import layer_class
+    sixteens = _layer("int8", 64, 64, 16, torch.Generator().manual_seed(0))
+    assert layer_class(sixteens, torch.float16, compiled=False) not in (Int8DotLinear, Int4DotLinear, Int8SixteensDotLinear)
+    assert layer_class(sixteens, torch.float32, compiled=False, integer=True) is Int8SixteensDotLinear
+    layer = _layer("int8", 64, 64, None, torch.Generator().manual_seed(0))
     assert layer_class(layer, torch.float16, compiled=False) not in (Int8DotLinear, Int4DotLinear)
     assert layer_class(layer, torch.float32, compiled=False, integer=False) in (Int8KernelLinear, Int8Linear)
     assert layer_class(layer, torch.float32, compiled=False, integer=True) is Int8DotLinear
