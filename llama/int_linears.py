@@ -129,31 +129,32 @@ class Int8SixteensDotLinear(QuantizedLinear):
     def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = 16):
         super().__init__(in_features, out_features, 16)
         shape = (layout.groups(out_features), in_features // kernels.QK)
-        for half in ("first", "second"):
-            self.register_buffer(f"weight_{half}", torch.empty(*shape, kernels.ROWS * kernels.QK, dtype=torch.int8,
-                                                               device="meta"))
-            self.register_buffer(f"scales_{half}", torch.empty(*shape, kernels.ROWS, dtype=SCALE_DTYPE, device="meta"))
+        # The first halves are `weight` and `scales`, where every layer keeps them (the device, the dtype are read there).
+        for suffix in ("", "_second"):
+            self.register_buffer(f"weight{suffix}", torch.empty(*shape, kernels.ROWS * kernels.QK, dtype=torch.int8,
+                                                                device="meta"))
+            self.register_buffer(f"scales{suffix}", torch.empty(*shape, kernels.ROWS, dtype=SCALE_DTYPE, device="meta"))
 
     @classmethod
     def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int8SixteensDotLinear":
         new = cls(layer.in_features, layer.out_features)
-        pieces = {name: [] for name in ("weight_first", "scales_first", "weight_second", "scales_second")}
+        pieces = {name: [] for name in ("weight", "scales", "weight_second", "scales_second")}
         for start, end in _row_slices(layer):
             values, scales = layer.format_values(start, end)
             rows, nb = values.shape[0], layer.in_features // kernels.QK
             halves = values.reshape(rows, nb, 2, 16)
             zeros = torch.zeros_like(halves[:, :, 0])
             scales = scales.to(SCALE_DTYPE).reshape(rows, nb, 2)
-            for i, (half, placed) in enumerate((("first", (halves[:, :, 0], zeros)), ("second", (zeros, halves[:, :, 1])))):
+            for i, (suffix, placed) in enumerate((("", (halves[:, :, 0], zeros)), ("_second", (zeros, halves[:, :, 1])))):
                 weight, packed_scales = layout.pack_q8_0(torch.cat(placed, dim=-1).reshape(rows, -1), scales[:, :, i])
-                pieces[f"weight_{half}"].append(weight)
-                pieces[f"scales_{half}"].append(packed_scales)
+                pieces[f"weight{suffix}"].append(weight)
+                pieces[f"scales{suffix}"].append(packed_scales)
         for name, parts in pieces.items():
             setattr(new, name, torch.cat(parts) if len(parts) > 1 else parts[0])
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first = torch.ops.llama_kv.q8_0_linear(x, self.weight_first, self.scales_first, self.out_features)
+        first = torch.ops.llama_kv.q8_0_linear(x, self.weight, self.scales, self.out_features)
         return first + torch.ops.llama_kv.q8_0_linear(x, self.weight_second, self.scales_second, self.out_features)
 
     def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
@@ -161,7 +162,7 @@ class Int8SixteensDotLinear(QuantizedLinear):
         first, last = start // kernels.ROWS, -(-end // kernels.ROWS)
         rows = slice(start - first * kernels.ROWS, end - first * kernels.ROWS)
         n = (last - first) * kernels.ROWS
-        v1, s1 = layout.unpack_q8_0(self.weight_first[first:last], self.scales_first[first:last], n)
+        v1, s1 = layout.unpack_q8_0(self.weight[first:last], self.scales[first:last], n)
         v2, s2 = layout.unpack_q8_0(self.weight_second[first:last], self.scales_second[first:last], n)
         scales = torch.stack((s1, s2), dim=-1).reshape(n, -1)  # the groups of 16 in column order
         return (v1 + v2)[rows], scales[rows]  # each column is zero in one of the two

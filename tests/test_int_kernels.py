@@ -353,6 +353,21 @@ def test_int8_groups_of_16_run_on_the_kernel_as_two_halves(monkeypatch):
     assert ((got.reshape(6, 75).double() - want).abs() <= bound).all()
 
 
+def test_a_model_in_groups_of_16_keeps_the_cache_switch_and_its_classes(gqa_ckpt):
+    """Choosing the layers again (as the compiled step does after loading) keeps them, and cached and uncached runs
+    give the same tokens."""
+    from llama.linears import choose_layer_classes
+
+    llama = build(gqa_ckpt)
+    quantize_model(llama.model, "int8", group_size=16)
+    for compiled in (False, True):
+        choose_layer_classes(llama.model, compiled=compiled)
+        assert type(llama.model.layers[0].feed_forward.w2) is Int8SixteensDotLinear
+    prompt = [llama.tokenizer.encode("The history of", bos=True, eos=False)]
+    cached = llama.generate(prompt, 12, temperature=0, ignore_stop=True)[0]
+    assert cached == llama.generate(prompt, 12, temperature=0, ignore_stop=True, kv_cache=False)[0]
+
+
 @pytest.fixture(scope="module")
 def models(gqa_ckpt):
     return {(m, dt, qk): build(gqa_ckpt, quantize=m, dtype=dt, quant_kernels=qk)
