@@ -294,6 +294,16 @@ def _layer(method, out, k, group_size, gen):
     return layer
 
 
+def _assert_holds(layer, stored):
+    """`layer` gives back `stored`'s on-disk tensors, weights and row slices (75 rows) exactly."""
+    for name, tensor in stored.state_dict().items():
+        assert torch.equal(layer.state_dict()[name], tensor), name
+    assert torch.equal(layer.dequantized(), stored.dequantized())
+    for start, end in [(0, 8), (3, 20), (70, 75), (8, None)]:
+        for a, b in zip(layer.format_values(start, end), stored.format_values(start, end)):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("method,group_size", [("int8", None), ("int8", 32), ("int8", 64), ("int4", 32), ("int4", 128)])
 def test_a_kernel_layer_holds_the_stored_values_and_multiplies_them(method, group_size, monkeypatch):
     """Re-packed a slice of rows at a time (per-channel and larger groups as blocks of 32 with each scale
@@ -304,12 +314,7 @@ def test_a_kernel_layer_holds_the_stored_values_and_multiplies_them(method, grou
     stored = _layer(method, 75, 256, group_size, gen)
     monkeypatch.setattr(int_linears, "_CHUNK_ELEMENTS", 16 * 256)  # five slices, the last one short
     layer = (Int8DotLinear if method == "int8" else Int4DotLinear).from_layer(stored, torch.float32)
-    for name, tensor in stored.state_dict().items():
-        assert torch.equal(layer.state_dict()[name], tensor), name
-    assert torch.equal(layer.dequantized(), stored.dequantized())
-    for start, end in [(0, 8), (3, 20), (70, 75), (8, None)]:
-        for a, b in zip(layer.format_values(start, end), stored.format_values(start, end)):
-            assert torch.equal(a, b)
+    _assert_holds(layer, stored)
     values, scales, *mins = stored.format_values()
     repeat = (group_size or 256) // QK
     x = torch.randn(2, 3, 256, generator=gen)
@@ -333,12 +338,7 @@ def test_int8_groups_of_16_run_on_the_kernel_as_two_halves(monkeypatch):
     stored = _layer("int8", 75, 256, 16, gen)
     monkeypatch.setattr(int_linears, "_CHUNK_ELEMENTS", 16 * 256)  # five slices, the last one short
     layer = Int8SixteensDotLinear.from_layer(stored, torch.float32)
-    for name, tensor in stored.state_dict().items():
-        assert torch.equal(layer.state_dict()[name], tensor), name
-    assert torch.equal(layer.dequantized(), stored.dequantized())
-    for start, end in [(0, 8), (3, 20), (70, 75), (8, None)]:
-        for a, b in zip(layer.format_values(start, end), stored.format_values(start, end)):
-            assert torch.equal(a, b)
+    _assert_holds(layer, stored)
     values, scales = stored.format_values()
     halves = values.reshape(75, 256 // QK, 2, 16)
     zeros = torch.zeros_like(halves[:, :, 0])
