@@ -1,9 +1,11 @@
 """The linear-layer classes that multiply with the integer kernels: int8 and int4 blocks of 32, rows interleaved.
 
-`Int8DotLinear` holds int8 values in blocks of 32 columns with a float16 scale each (GGUF's Q8_0), and
-`Int4DotLinear` values 0..15 with a scale and a minimum per block (Q4_1; Q4_0 is the minimum -8 * scale), both
-in the kernels' interleaved layout (llama/kernels/layout.py). Each `forward` is one call of one op of
-llama/kernels, which rounds the activations to int8 blocks and multiplies with integer dot products.
+`Int8DotLinear` holds int8 values in blocks of 32 columns with a float16 scale each (GGUF's Q8_0),
+`Int4DotLinear` values 0..15 with a scale and a minimum per block (Q4_1), and `Int4ZeroPointDotLinear` values
+0..15 with a scale, each minimum being -8 times it (Q4_0: two bytes a block fewer to read, and the minimum's
+term is an exact integer), all in the kernels' interleaved layout (llama/kernels/layout.py), the int4 ones in
+buffers that ask for 2 MiB pages (llama/pages.py). Each `forward` is one call of one op of llama/kernels, which rounds the
+activations to int8 blocks and multiplies with integer dot products.
 `llama.linears.layer_class` decides when a layer becomes one of these; `integer_class` says whether it can.
 
 Per-channel int8 (one scale a row) and groups that are multiples of 32 are held as blocks of 32 with each
@@ -17,6 +19,7 @@ import torch
 from llama import kernels
 from llama.kernels import layout
 from llama.linears import QuantizedLinear
+from llama.pages import huge_empty
 from llama.quant_format import SCALE_DTYPE, pack_int4
 
 # Re-pack about this many values at a time, so that re-packing a big layer needs tens of MB of scratch.
@@ -28,35 +31,55 @@ def _blocks_per_group(layer: QuantizedLinear) -> int:
     return (layer.group_size or layer.in_features) // kernels.QK
 
 
-def _row_slices(layer: QuantizedLinear):
-    rows = kernels.ROWS * max(1, _CHUNK_ELEMENTS // (layer.in_features * kernels.ROWS))
+def _row_slices(layer: QuantizedLinear, step: int = kernels.ROWS):
+    rows = step * max(1, _CHUNK_ELEMENTS // (layer.in_features * step))
     return [(start, min(start + rows, layer.out_features)) for start in range(0, layer.out_features, rows)]
+
+
+def _filled(new: QuantizedLinear, names, slices, step: int, pack, huge: bool = False) -> None:
+    """Give `new` its buffers `names` (registered on the meta device with their final shapes), re-packed a slice of
+    rows at a time: `pack(start, end)` gives the slice's pieces, one per name. `huge`: in memory that asks for
+    2 MiB pages (llama/pages.py), allocated first and filled as the slices come, so that one slice's pieces are
+    alive at a time beside it; otherwise the pieces joined (a layer of one slice keeps its pieces as they are)."""
+    if not huge:
+        pieces = [pack(start, end) for start, end in slices]
+        for name, *parts in zip(names, *pieces):
+            setattr(new, name, torch.cat(parts) if len(parts) > 1 else parts[0])
+        return
+    buffers = {name: huge_empty(getattr(new, name).shape, getattr(new, name).dtype) for name in names}
+    for start, end in slices:
+        for name, piece in zip(names, pack(start, end)):
+            buffers[name][start // step:start // step + piece.shape[0]].copy_(piece)
+    for name, tensor in buffers.items():
+        setattr(new, name, tensor)
 
 
 class _DotLinear(QuantizedLinear):
     """What the two classes share: re-packing a slice of rows at a time, and reading rows back."""
 
     integer_kernels = True  # llama.linears.layer_class keeps such a layer on the kernels
+    _rows = kernels.ROWS  # rows interleaved in a group (unit)
+    _huge_pages = False  # held in 2 MiB pages (see Int4DotLinear)
 
     @classmethod
     def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "_DotLinear":
         new = cls(layer.in_features, layer.out_features, layer.group_size)
         repeat = _blocks_per_group(layer)
-        pieces = []
-        for start, end in _row_slices(layer):
+
+        def pack(start, end):
             values, *scales = layer.format_values(start, end)
             # (Scales come from float16, whatever dtype a loader handed them in: back to it exactly.)
-            pieces.append(cls._pack(values, *(s.to(SCALE_DTYPE).repeat_interleave(repeat, dim=1) for s in scales)))
-        for name, *parts in zip(cls._buffers_held, *pieces):
-            setattr(new, name, torch.cat(parts) if len(parts) > 1 else parts[0])
+            return cls._pack(values, *(s.to(SCALE_DTYPE).repeat_interleave(repeat, dim=1) for s in scales))
+
+        _filled(new, cls._buffers_held, _row_slices(layer, cls._rows), cls._rows, pack, cls._huge_pages)
         return new
 
     def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
         end = self.out_features if end is None else min(end, self.out_features)
-        first, last = start // kernels.ROWS, -(-end // kernels.ROWS)  # the groups that hold rows start..end
+        first, last = start // self._rows, -(-end // self._rows)  # the groups that hold rows start..end
         held = [getattr(self, name)[first:last] for name in self._buffers_held]
-        values, *scales = self._unpack(*held, (last - first) * kernels.ROWS)
-        rows = slice(start - first * kernels.ROWS, end - first * kernels.ROWS)
+        values, *scales = self._unpack(*held, (last - first) * self._rows)
+        rows = slice(start - first * self._rows, end - first * self._rows)
         step = _blocks_per_group(self)  # back to one scale per group (or per row)
         return (values[rows], *(s[rows, ::step] for s in scales))
 
@@ -90,30 +113,64 @@ class Int8DotLinear(_DotLinear):
 
 
 class Int4DotLinear(_DotLinear):
-    """int4 blocks of 32 (w = q * scale + min), 8 rows interleaved; multiplied by `torch.ops.llama_kv.q4_1_linear`."""
+    """int4 blocks of 32 (w = q * scale + min), 16 rows interleaved with their scales and minimums; multiplied by
+    `torch.ops.llama_kv.q4_1_linear`."""
 
     method = "int4"
-    _buffers_held = ("weight", "scales", "mins")
-    _pack = staticmethod(layout.pack_q4_1)
-    _unpack = staticmethod(layout.unpack_q4_1)
+    _rows = kernels.Q4_ROWS
+    _buffers_held = ("weight",)
+    _has_mins = True
+    # In 2 MiB pages: a 7B-shaped layer streamed at 28.4 against 20.8 GB/s from 4 KiB ones. (int8 stays on
+    # ordinary pages: with 2 MiB ones, its peak while loading moved by up to 22 MiB from run to run.)
+    _huge_pages = True
 
     def __init__(self, in_features: int, out_features: int, group_size: int = kernels.QK):
         super().__init__(in_features, out_features, group_size)
-        shape = (layout.groups(out_features), in_features // kernels.QK)
-        self.register_buffer("weight", torch.empty(*shape, kernels.ROWS * kernels.QK // 2, dtype=torch.uint8,
+        shape = (layout.groups(out_features, kernels.Q4_ROWS), in_features // kernels.QK)
+        self.register_buffer("weight", torch.empty(*shape, layout.q4_block_bytes(self._has_mins), dtype=torch.uint8,
                                                    device="meta"))
-        self.register_buffer("scales", torch.empty(*shape, kernels.ROWS, dtype=torch.float16, device="meta"))
-        self.register_buffer("mins", torch.empty_like(self.scales))
+
+    @classmethod
+    def _pack(cls, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Tuple[torch.Tensor]:
+        return (layout.pack_q4(values, scales, mins if cls._has_mins else None),)
+
+    @staticmethod
+    def _unpack(weight: torch.Tensor, out_features: int) -> Tuple[torch.Tensor, ...]:
+        return layout.unpack_q4(weight, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llama_kv.q4_1_linear(x, self.weight, self.scales, self.mins, self.out_features)
+        return torch.ops.llama_kv.q4_1_linear(x, self.weight, self.out_features)
 
     def format_tensors(self) -> Dict[str, torch.Tensor]:
         values, scales, mins = self.format_values()
         return {"weight": pack_int4(values), "scales": scales, "mins": mins}
 
     def _dequantize(self) -> torch.Tensor:
-        return torch.ops.llama_kv.dequantize_q4_1(self.weight, self.scales, self.mins, self.out_features)
+        return torch.ops.llama_kv.dequantize_q4_1(self.weight, self.out_features)
+
+
+class Int4ZeroPointDotLinear(Int4DotLinear):
+    """int4 blocks of 32 whose minimums are -8 times their scales (w = (q - 8) * scale, GGUF's Q4_0), 16 rows
+    interleaved with their scales; multiplied by `torch.ops.llama_kv.q4_0_linear`. It gives back the minimums
+    (what the checkpoint stores) from the scales, exactly."""
+
+    _has_mins = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llama_kv.q4_0_linear(x, self.weight, self.out_features)
+
+    def _dequantize(self) -> torch.Tensor:
+        return torch.ops.llama_kv.dequantize_q4_0(self.weight, self.out_features)
+
+
+def _minimums_are_minus_8_scales(layer: QuantizedLinear) -> bool:
+    """Whether each of an int4 layer's minimums is -8 times its block's scale, exactly (a GGUF's Q4_0)."""
+    scales, mins = getattr(layer, "scales", None), getattr(layer, "mins", None)
+    if scales is None or mins is None:  # a layout that keeps them elsewhere: read them back a slice at a time
+        pairs = (layer.format_values(start, end)[1:] for start, end in _row_slices(layer))
+    else:
+        pairs = [(scales, mins)]
+    return all(torch.equal(m.float(), s.float() * -8) for s, m in pairs)
 
 
 class Int8SixteensDotLinear(QuantizedLinear):
@@ -138,19 +195,18 @@ class Int8SixteensDotLinear(QuantizedLinear):
     @classmethod
     def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int8SixteensDotLinear":
         new = cls(layer.in_features, layer.out_features)
-        pieces = {name: [] for name in ("weight", "scales", "weight_second", "scales_second")}
-        for start, end in _row_slices(layer):
+
+        def pack(start, end):
             values, scales = layer.format_values(start, end)
             rows, nb = values.shape[0], layer.in_features // kernels.QK
             halves = values.reshape(rows, nb, 2, 16)
             zeros = torch.zeros_like(halves[:, :, 0])
             scales = scales.to(SCALE_DTYPE).reshape(rows, nb, 2)
-            for i, (suffix, placed) in enumerate((("", (halves[:, :, 0], zeros)), ("_second", (zeros, halves[:, :, 1])))):
-                weight, packed_scales = layout.pack_q8_0(torch.cat(placed, dim=-1).reshape(rows, -1), scales[:, :, i])
-                pieces[f"weight{suffix}"].append(weight)
-                pieces[f"scales{suffix}"].append(packed_scales)
-        for name, parts in pieces.items():
-            setattr(new, name, torch.cat(parts) if len(parts) > 1 else parts[0])
+            first = layout.pack_q8_0(torch.cat((halves[:, :, 0], zeros), dim=-1).reshape(rows, -1), scales[:, :, 0])
+            second = layout.pack_q8_0(torch.cat((zeros, halves[:, :, 1]), dim=-1).reshape(rows, -1), scales[:, :, 1])
+            return (*first, *second)
+
+        _filled(new, ("weight", "scales", "weight_second", "scales_second"), _row_slices(layer), kernels.ROWS, pack)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,7 +232,8 @@ def integer_class(layer: QuantizedLinear, dtype: torch.dtype) -> Optional[Type[Q
     """The integer-kernel class for a quantized CPU layer with activations of `dtype`, or None where the kernels
     do not apply: another device or dtype (float16), groups that neither 32 nor 16 divides into blocks of 32, or
     no kernels here (`llama.kernels.unavailable_reason()` says why). int8 groups of 16 (a GGUF's Q6_K) go to
-    `Int8SixteensDotLinear`. Building the kernels, the first time, happens here."""
+    `Int8SixteensDotLinear`, int4 whose minimums are all -8 times their scales (Q4_0) to `Int4ZeroPointDotLinear`.
+    Building the kernels, the first time, happens here."""
     group = layer.group_size or layer.in_features
     sixteens = layer.method == "int8" and group == 16
     fits = layer.in_features % kernels.QK == 0 and (group % kernels.QK == 0 or sixteens)
@@ -186,4 +243,8 @@ def integer_class(layer: QuantizedLinear, dtype: torch.dtype) -> Optional[Type[Q
         return None
     if sixteens:
         return Int8SixteensDotLinear
-    return Int8DotLinear if layer.method == "int8" else Int4DotLinear
+    if layer.method == "int8":
+        return Int8DotLinear
+    if isinstance(layer, Int4DotLinear):
+        return type(layer)  # already chosen
+    return Int4ZeroPointDotLinear if _minimums_are_minus_8_scales(layer) else Int4DotLinear

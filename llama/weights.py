@@ -11,9 +11,6 @@ madvise(MADV_DONTNEED), which is safe because they are clean, private, file-back
 again would read them back from the file.
 """
 
-import ctypes
-import mmap
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -24,6 +21,7 @@ from llama.checkpoint import CheckpointReader, expected_shapes
 from llama.devices import available_memory
 from llama.errors import LlamaError
 from llama.model import ModelArgs
+from llama.pages import release_pages, return_free_memory
 from llama.progress import Progress, or_silent
 from llama.embedding import swap_embedding
 from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, Plan, is_linear_weight, quantized_shapes
@@ -210,7 +208,7 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
         del local, pieces
         # Freed scratch (quantizing's float32 rows, a converted tensor's old copy) stays in glibc's heap
         # unless handed back; without this the heap grew by more than the model from tensor to tensor.
-        _return_free_memory()
+        return_free_memory()
         progress("loading weights", i + 1, total)
     try:
         model.load_state_dict(state, strict=True, assign=True)
@@ -225,41 +223,9 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
     for name, tensor in stored:
         if not any(_shares_memory(tensor, held) for held in layers[name].buffers()):
             release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
-    _return_free_memory()
+    return_free_memory()
     return model
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
-_libc = None
-if sys.platform.startswith("linux"):
-    try:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    except (OSError, AttributeError):
-        _libc = None
-
-
-def _return_free_memory() -> None:
-    """Hand the scratch that loading freed back to the system (glibc keeps freed heap memory otherwise)."""
-    if _libc is not None and hasattr(_libc, "malloc_trim"):
-        _libc.malloc_trim(0)
-
-
-def release_pages(tensor: torch.Tensor) -> None:
-    """Drop a memory-mapped file tensor's pages from this process's resident memory (Linux; elsewhere a no-op).
-
-    Only for tensors that torch.load(mmap=True) returned: their pages are clean and read back from the file
-    if touched again. Never call it on ordinary (anonymous) memory, whose contents it would erase.
-    """
-    if _libc is None or tensor.device.type != "cpu" or tensor.numel() == 0:
-        return
-    storage = tensor.untyped_storage()
-    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-    start -= start % _PAGE
-    end += -end % _PAGE
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)

@@ -49,7 +49,8 @@ def candidates(out_f, in_f, m):
     w8, s8p = layout.pack_q8_0(q8, s8)
     p4, s4, m4 = qf.quantize_int4(w, 32)
     v4 = qf.unpack_int4(p4)
-    w4, s4p, m4p = layout.pack_q4_1(v4, s4, m4)
+    w4 = layout.pack_q4(v4, s4, m4)
+    w40 = layout.pack_q4(v4, s4)  # as if Q4_0: each minimum -8 times its scale
     qc, sc = qf.quantize_int8(w)  # per channel, for torch's int8 kernel
     scf = sc.float().reshape(-1)
     packed4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(v4.to(torch.int32), 1)
@@ -72,9 +73,10 @@ def candidates(out_f, in_f, m):
         "int8 kernel": (1, integer(lambda: ops.q8_0_linear(x, w8, s8p, out_f))),
         "int8 kernel, GEMM": (1, gemm(lambda: ops.q8_0_linear(x, w8, s8p, out_f))),
         "int8 kernel bf16": (1, integer(lambda: ops.q8_0_linear(xb, w8, s8p, out_f))),
-        "int4 kernel": (0.5, integer(lambda: ops.q4_1_linear(x, w4, s4p, m4p, out_f))),
-        "int4 kernel, GEMM": (0.5, gemm(lambda: ops.q4_1_linear(x, w4, s4p, m4p, out_f))),
-        "int4 kernel bf16": (0.5, integer(lambda: ops.q4_1_linear(xb, w4, s4p, m4p, out_f))),
+        "int4 kernel": (0.5, integer(lambda: ops.q4_1_linear(x, w4, out_f))),
+        "int4 kernel, GEMM": (0.5, gemm(lambda: ops.q4_1_linear(x, w4, out_f))),
+        "int4 kernel bf16": (0.5, integer(lambda: ops.q4_1_linear(xb, w4, out_f))),
+        "int4 Q4_0 kernel": (0.5, integer(lambda: ops.q4_0_linear(x, w40, out_f))),
         "torch int8pack_mm bf16": (1, lambda: torch.ops.aten._weight_int8pack_mm(xb, qc, scf.bfloat16())),
         "torch int8pack_mm fp32": (1, lambda: torch.ops.aten._weight_int8pack_mm(x, qc, scf)),
         "torch int4pack_mm bf16": (0.5, lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed4, 32, sz)),

@@ -32,7 +32,7 @@ from torch import nn
 from helpers import REPO, build
 from llama import kernels
 from llama import quant_format as qf
-from llama.int_linears import Int4DotLinear, Int8DotLinear, Int8SixteensDotLinear
+from llama.int_linears import Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear, Int8SixteensDotLinear
 from llama.kernels import layout
 from llama.kernels.build import missing
 from llama.linears import Int4Linear, Int8KernelLinear, Int8Linear, QuantizedLinear
@@ -115,15 +115,21 @@ def ref_dequantized_product(x, values, scales, mins=None):
     return xs @ w.t(), bound
 
 
+# The kernels' block formats: int8 (Q8_0), int4 with a minimum (Q4_1), int4 whose minimum is -8 times its scale (Q4_0).
+FORMATS = ["int8", "int4", "q4_0"]
+
+
 def random_weights(method, out, k, gen):
     """Values over the whole range (int8 -128..127, whose extremes test maddubs' saturation), block scales and
-    mins as float16 of a trained model's size."""
+    mins (Q4_1 only) as float16 of a trained model's size."""
     nb = k // QK
     scales = (torch.rand(out, nb, generator=gen) * 0.02 + 1e-3).half()
     if method == "int8":
         return torch.randint(-128, 128, (out, k), generator=gen, dtype=torch.int8), scales, None
-    mins = (-8 * scales.float() + torch.randn(out, nb, generator=gen) * 1e-3).half()
-    return torch.randint(0, 16, (out, k), generator=gen, dtype=torch.uint8), scales, mins
+    values = torch.randint(0, 16, (out, k), generator=gen, dtype=torch.uint8)
+    if method == "q4_0":
+        return values, scales, None
+    return values, scales, (-8 * scales.float() + torch.randn(out, nb, generator=gen) * 1e-3).half()
 
 
 def run(method, x, values, scales, mins):
@@ -132,8 +138,17 @@ def run(method, x, values, scales, mins):
     if method == "int8":
         w, s = layout.pack_q8_0(values, scales)
         return torch.ops.llama_kv.q8_0_linear(x, w, s, out)
-    w, s, m = layout.pack_q4_1(values, scales, mins)
-    return torch.ops.llama_kv.q4_1_linear(x, w, s, m, out)
+    if method == "q4_0":
+        return torch.ops.llama_kv.q4_0_linear(x, layout.pack_q4(values, scales), out)
+    return torch.ops.llama_kv.q4_1_linear(x, layout.pack_q4(values, scales, mins), out)
+
+
+def ref(method, x, values, scales, mins=None):
+    """`ref_linear` of a format: Q4_0 is int8 blocks of the values less 8 (its kernel takes 8 * sum(a) off each
+    block's integer sum, exactly)."""
+    if method == "q4_0":
+        return ref_linear(x, values.to(torch.int8) - 8, scales)
+    return ref_linear(x, values, scales, mins)
 
 
 def activations(m, k, gen, dtype=torch.float32):
@@ -167,7 +182,7 @@ def test_activation_blocks_equal_the_reference_exactly(path, dtype):
 
 # Integer dot products.
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", FORMATS)
 def test_every_blocks_int32_dot_product_is_exact(path, method):
     """With activation scales 1 (each block holds +-127) and one-hot weight scales, each output is one block's
     int32 dot product, exactly; the rows of all -128 (or 15) against all +-127 are the sums maddubs would
@@ -182,14 +197,16 @@ def test_every_blocks_int32_dot_product_is_exact(path, method):
     values, _, _ = random_weights(method, out, k, gen)
     values[0] = -128 if method == "int8" else 15
     values[1] = 127 if method == "int8" else 15
+    values[3] = 0  # Q4_0's most negative weight, -8
     one_hot = torch.zeros(out, nb)
     one_hot[torch.arange(out), torch.arange(out) % nb] = 1
     zeros = torch.zeros(out, nb).half()
-    isum = torch.einsum("mbi,obi->mob", x.reshape(m, nb, QK).double(), values.reshape(out, nb, QK).double())
+    signed = values.double() - (8 if method == "q4_0" else 0)
+    isum = torch.einsum("mbi,obi->mob", x.reshape(m, nb, QK).double(), signed.reshape(out, nb, QK))
     want = isum[:, torch.arange(out), torch.arange(out) % nb]
-    got = run(method, x, values, one_hot.half(), zeros)
+    got = run(method, x, values, one_hot.half(), None if method == "q4_0" else zeros)
     assert torch.equal(got.double(), want)
-    assert got[2, 0] == 128 * 127 * QK if method == "int8" else got[2, 0] == -15 * 127 * QK
+    assert got[2, 0] == {"int8": 128 * 127 * QK, "int4": -15 * 127 * QK, "q4_0": -7 * 127 * QK}[method]
     if method == "int4":  # the minimums' term: each output is one block's sum of activations, exactly
         got = run(method, x, values, zeros, one_hot.half())
         assert torch.equal(got.double(), x.reshape(m, nb, QK).sum(-1).double()[:, torch.arange(out) % nb])
@@ -199,10 +216,10 @@ SHAPES = [(1, 32, 1), (1, 64, 13), (2, 96, 8), (3, 256, 40), (4, 512, 9), (5, 12
           (16, 64, 17), (1, 4096, 24), (11, 2048, 33)]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", FORMATS)
 @pytest.mark.parametrize("m,k,out", SHAPES)
 def test_outputs_equal_the_scalar_loop_and_are_within_the_float_bound(path, method, m, k, out):
-    """Rows not a multiple of the 8 interleaved, 1 to 16 activation rows (the batched decode and small-batch
+    """Rows not a multiple of the 8 (16) interleaved, 1 to 16 activation rows (the batched decode and small-batch
     sizes, several tiles of 4), on every path: the scalar loop's bits, within the bound of the exact sum."""
     gen = torch.Generator().manual_seed(m * k + out)
     x = activations(m, k, gen)
@@ -211,11 +228,11 @@ def test_outputs_equal_the_scalar_loop_and_are_within_the_float_bound(path, meth
     with kernels.options(path="scalar"):
         scalar = run(method, x, values, scales, mins)
     assert torch.equal(got, scalar)
-    want, bound = ref_linear(x, values, scales, mins)
+    want, bound = ref(method, x, values, scales, mins)
     assert ((got.double() - want).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", FORMATS)
 def test_bf16_activations_are_rounded_as_float32_ones_and_the_output_to_bf16(path, method):
     gen = torch.Generator().manual_seed(4)
     x = activations(3, 1024, gen, torch.bfloat16)
@@ -223,15 +240,15 @@ def test_bf16_activations_are_rounded_as_float32_ones_and_the_output_to_bf16(pat
     got = run(method, x, values, scales, mins)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, run(method, x.float(), values, scales, mins).bfloat16())
-    want, bound = ref_linear(x, values, scales, mins)
+    want, bound = ref(method, x, values, scales, mins)
     assert ((got.double() - want).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", FORMATS)
 def test_threads_and_neighbouring_rows_change_no_bit(path, method):
     gen = torch.Generator().manual_seed(5)
     x = activations(7, 256, gen)
-    values, scales, mins = random_weights(method, 300, 256, gen)  # 38 groups: split over threads, odd halves
+    values, scales, mins = random_weights(method, 300, 256, gen)  # 38 groups, 19 units: split over threads
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -245,7 +262,7 @@ def test_threads_and_neighbouring_rows_change_no_bit(path, method):
         assert torch.equal(run(method, x[i:i + 1], values, scales, mins)[0], one[i])
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", FORMATS)
 @pytest.mark.parametrize("m", [32, 100])
 def test_prompt_chunks_through_the_optional_gemm_are_within_its_bound(method, m):
     """From gemm_min_rows rows on (if set), the product is torch's GEMM of the rounded activations and the
@@ -255,22 +272,43 @@ def test_prompt_chunks_through_the_optional_gemm_are_within_its_bound(method, m)
     values, scales, mins = random_weights(method, 70, 512, gen)
     with kernels.options(gemm_min_rows=32):
         got = run(method, x, values, scales, mins)
-    want, bound = ref_dequantized_product(x, values, scales, mins)
+    signed = values.to(torch.int8) - 8 if method == "q4_0" else values
+    want, bound = ref_dequantized_product(x, signed, scales, mins)
     assert ((got.double() - want).abs() <= bound).all()
     integer = run(method, x, values, scales, mins)  # the default
-    want, bound = ref_linear(x, values, scales, mins)
+    want, bound = ref(method, x, values, scales, mins)
     assert ((integer.double() - want).abs() <= bound).all()
 
 
 def test_dequantizing_gives_the_formats_values_exactly():
     gen = torch.Generator().manual_seed(6)
-    for method in ("int8", "int4"):
+    for method in FORMATS:
         values, scales, mins = random_weights(method, 45, 256, gen)
         if method == "int8":
             got = torch.ops.llama_kv.dequantize_q8_0(*layout.pack_q8_0(values, scales), 45)
+        elif method == "q4_0":
+            got = torch.ops.llama_kv.dequantize_q4_0(layout.pack_q4(values, scales), 45)
+            mins = scales * -8
         else:
-            got = torch.ops.llama_kv.dequantize_q4_1(*layout.pack_q4_1(values, scales, mins), 45)
+            got = torch.ops.llama_kv.dequantize_q4_1(layout.pack_q4(values, scales, mins), 45)
         assert torch.equal(got, qf.dequantize_values(values, scales, mins))
+
+
+@pytest.mark.parametrize("out", [45, 48])
+def test_int4_layout_packs_and_unpacks_exactly(out):
+    """Values, scales and minimums come back from the kernels' layout as they went in (Q4_0's minimums as -8 times
+    the scales), and a value lands where csrc/kernels.h says: unit u, block b, byte 64p + 32h + 4r + c."""
+    gen = torch.Generator().manual_seed(9)
+    for method in ("int4", "q4_0"):
+        values, scales, mins = random_weights(method, out, 256, gen)
+        packed = layout.pack_q4(values, scales, mins)
+        assert packed.shape == (3, 8, 320 if method == "int4" else 288)
+        got = layout.unpack_q4(packed, out)
+        assert torch.equal(got[0], values) and torch.equal(got[1], scales)
+        assert torch.equal(got[2], scales * -8 if mins is None else mins)
+        row, col = 16 + 8 + 5, 3 * QK + 16 + 4 * 2 + 1  # u 1, h 1, r 5; b 3, high nibble, p 2, c 1
+        assert packed[1, 3, 64 * 2 + 32 + 4 * 5 + 1] >> 4 == values[row, col]
+        assert packed[1, 3, 256:288].view(torch.float16)[13] == scales[row, 3]
 
 
 def test_unknown_or_missing_paths_are_refused():
@@ -304,22 +342,29 @@ def _assert_holds(layer, stored):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("method,group_size", [("int8", None), ("int8", 32), ("int8", 64), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("method,group_size", [("int8", None), ("int8", 32), ("int8", 64), ("int4", 32), ("int4", 128),
+                                               ("q4_0", 32), ("q4_0", 64)])
 def test_a_kernel_layer_holds_the_stored_values_and_multiplies_them(method, group_size, monkeypatch):
     """Re-packed a slice of rows at a time (per-channel and larger groups as blocks of 32 with each scale
-    repeated), a layer gives back its on-disk tensors exactly, and its product is the kernel's."""
+    repeated), a layer gives back its on-disk tensors exactly, and its product is the kernel's. int4 whose
+    minimums are all -8 times their scales (a GGUF's Q4_0) becomes the class that stores no minimums."""
     import llama.int_linears as int_linears
 
     gen = torch.Generator().manual_seed(7)
-    stored = _layer(method, 75, 256, group_size, gen)
+    stored = _layer("int8" if method == "int8" else "int4", 75, 256, group_size, gen)
+    if method == "q4_0":
+        stored.mins = stored.scales * -8
+    kind = {"int8": Int8DotLinear, "int4": Int4DotLinear, "q4_0": Int4ZeroPointDotLinear}[method]
+    assert int_linears.integer_class(stored, torch.float32) is kind
     monkeypatch.setattr(int_linears, "_CHUNK_ELEMENTS", 16 * 256)  # five slices, the last one short
-    layer = (Int8DotLinear if method == "int8" else Int4DotLinear).from_layer(stored, torch.float32)
+    layer = kind.from_layer(stored, torch.float32)
+    assert int_linears.integer_class(layer, torch.float32) is kind  # chosen again, it stays
     _assert_holds(layer, stored)
     values, scales, *mins = stored.format_values()
     repeat = (group_size or 256) // QK
     x = torch.randn(2, 3, 256, generator=gen)
-    want, bound = ref_linear(x.reshape(6, 256), values, scales.repeat_interleave(repeat, 1),
-                             *(m.repeat_interleave(repeat, 1) for m in mins))
+    want, bound = ref(method, x.reshape(6, 256), values, scales.repeat_interleave(repeat, 1),
+                      *(m.repeat_interleave(repeat, 1) for m in mins))
     got = layer(x)
     assert got.shape == (2, 3, 75)
     assert ((got.reshape(6, 75).double() - want).abs() <= bound).all()

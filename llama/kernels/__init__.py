@@ -23,7 +23,8 @@ from llama.progress import Progress
 PATHS = ("scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512vnni")  # in the library's numbering
 PATH_ENV = "LLAMA_KERNEL_PATH"
 QK = 32  # values per block, of activations and weights
-ROWS = 8  # weight rows interleaved in a group
+ROWS = 8  # int8 weight rows interleaved in a group
+Q4_ROWS = 16  # int4 weight rows interleaved in a unit
 
 _state = {"loaded": False, "reason": None}
 
@@ -103,8 +104,12 @@ def _register_fakes() -> None:
     def _(x, weight, scales, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake(lib + "q4_0_linear")
+    def _(x, weight, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake(lib + "q4_1_linear")
-    def _(x, weight, scales, mins, out_features):
+    def _(x, weight, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
     @torch.library.register_fake(lib + "f32_linear")
@@ -125,6 +130,10 @@ def _register_fakes() -> None:
     def _(weight, scales, out_features):
         return weight.new_empty((out_features, weight.shape[1] * QK), dtype=torch.float32)
 
+    @torch.library.register_fake(lib + "dequantize_q4_0")
+    def _(weight, out_features):
+        return weight.new_empty((out_features, weight.shape[1] * QK), dtype=torch.float32)
+
     @torch.library.register_fake(lib + "dequantize_q4_1")
-    def _(weight, scales, mins, out_features):
+    def _(weight, out_features):
         return weight.new_empty((out_features, weight.shape[1] * QK), dtype=torch.float32)

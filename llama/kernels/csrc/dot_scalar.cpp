@@ -50,29 +50,58 @@ LK_GEMV_Q8_0(gemv_q8_0_scalar) {
   }
 }
 
-LK_GEMV_Q4_1(gemv_q4_1_scalar) {
-  for (int64_t g = g0; g < g1; g++) {
+namespace {
+
+// Unit u's block b: its values, and row i's (i = 8h + r) scale and minimum.
+inline const uint8_t* q4_block(const uint8_t* w, int64_t nb, int64_t u, int64_t b, bool has_mins) {
+  return w + (u * nb + b) * (has_mins ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES);
+}
+
+inline float q4_scale(const uint8_t* block, int i) {
+  uint16_t h;
+  std::memcpy(&h, block + Q4_VALUE_BYTES + 2 * i, 2);
+  return half_to_float(h);
+}
+
+inline float q4_min(const uint8_t* block, int i) { return q4_scale(block + 2 * Q4_ROWS, i); }
+
+// Row i of a unit's block: value k (0..31) of the row.
+inline int32_t q4_value(const uint8_t* block, int i, int k) {
+  const int h = i / ROWS, r = i % ROWS, p = (k % (QK / 2)) / 4, c = k % 4;
+  const uint8_t byte = block[64 * p + 32 * h + 4 * r + c];
+  return k < QK / 2 ? byte & 0x0F : byte >> 4;
+}
+
+template <bool kMins>
+void gemv_q4(const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, const ActRow* act, int64_t M, float* y,
+             int64_t out_features) {
+  for (int64_t u = u0; u < u1; u++) {
     for (int64_t m = 0; m < M; m++) {
-      float acc[ROWS] = {};
+      float acc[Q4_ROWS] = {};
       for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* wb = w + (g * nb + b) * Q4_BLOCK_BYTES;
+        const uint8_t* block = q4_block(w, nb, u, b, kMins);
         const int8_t* a = act[m].q + b * QK;
-        for (int r = 0; r < ROWS; r++) {
+        for (int i = 0; i < Q4_ROWS; i++) {
           int32_t isum = 0;
-          for (int p = 0; p < QK / 8; p++)
-            for (int c = 0; c < 4; c++) {
-              const uint8_t byte = wb[(p * ROWS + r) * 4 + c];
-              isum += int32_t(byte & 0x0F) * a[4 * p + c] + int32_t(byte >> 4) * a[QK / 2 + 4 * p + c];
-            }
-          const int64_t k = (g * nb + b) * ROWS + r;
-          acc[r] = std::fma(half_to_float(scales[k]) * act[m].d[b], float(isum), acc[r]);
-          acc[r] = std::fma(half_to_float(mins[k]), act[m].s[b], acc[r]);
+          for (int k = 0; k < QK; k++) isum += q4_value(block, i, k) * a[k];
+          const float scale = q4_scale(block, i) * act[m].d[b];
+          if (kMins) {
+            acc[i] = std::fma(scale, float(isum), acc[i]);
+            acc[i] = std::fma(q4_min(block, i), act[m].s[b], acc[i]);
+          } else {
+            acc[i] = std::fma(scale, float(isum - 8 * act[m].sum[b]), acc[i]);
+          }
         }
       }
-      store_rows(acc, ROWS, y + m * out_features, g * ROWS, out_features);
+      store_rows(acc, Q4_ROWS, y + m * out_features, u * Q4_ROWS, out_features);
     }
   }
 }
+
+}  // namespace
+
+LK_GEMV_Q4(gemv_q4_0_scalar) { gemv_q4<false>(w, nb, u0, u1, act, M, y, out_features); }
+LK_GEMV_Q4(gemv_q4_1_scalar) { gemv_q4<true>(w, nb, u0, u1, act, M, y, out_features); }
 
 void dequantize_q8_0(const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, float* out) {
   const int64_t K = nb * QK;
@@ -86,23 +115,17 @@ void dequantize_q8_0(const int8_t* w, const uint16_t* scales, int64_t nb, int64_
       }
 }
 
-void dequantize_q4_1(const uint8_t* w, const uint16_t* scales, const uint16_t* mins, int64_t nb, int64_t g0,
-                     int64_t g1, float* out) {
+void dequantize_q4(bool has_mins, const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, float* out) {
   const int64_t K = nb * QK;
-  for (int64_t g = g0; g < g1; g++)
-    for (int64_t b = 0; b < nb; b++)
-      for (int r = 0; r < ROWS; r++) {
-        const int64_t k = (g * nb + b) * ROWS + r;
-        const float d = half_to_float(scales[k]), m = half_to_float(mins[k]);
-        float* row = out + ((g - g0) * ROWS + r) * K + b * QK;
-        const uint8_t* wb = w + (g * nb + b) * Q4_BLOCK_BYTES;
-        for (int p = 0; p < QK / 8; p++)
-          for (int c = 0; c < 4; c++) {
-            const uint8_t byte = wb[(p * ROWS + r) * 4 + c];
-            row[4 * p + c] = float(byte & 0x0F) * d + m;
-            row[QK / 2 + 4 * p + c] = float(byte >> 4) * d + m;
-          }
+  for (int64_t u = u0; u < u1; u++)
+    for (int64_t b = 0; b < nb; b++) {
+      const uint8_t* block = q4_block(w, nb, u, b, has_mins);
+      for (int i = 0; i < Q4_ROWS; i++) {
+        const float d = q4_scale(block, i), m = has_mins ? q4_min(block, i) : -8 * d;
+        float* row = out + ((u - u0) * Q4_ROWS + i) * K + b * QK;
+        for (int k = 0; k < QK; k++) row[k] = float(q4_value(block, i, k)) * d + m;
       }
+    }
 }
 
 }  // namespace llama_kv

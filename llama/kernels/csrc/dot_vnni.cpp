@@ -1,6 +1,7 @@
 // VNNI block products (vpdpbusd: four u8 x s8 products into each int32 lane): AVX-VNNI at 256 bits, the same
-// code with vpdpbusd emulated in AVX2 (a test path), and AVX-512 VNNI, which takes two groups (16 rows) per
-// 512-bit vector. Each lane holds one weight row and does the scalar loop's operations in its order.
+// code with vpdpbusd emulated in AVX2 (a test path), and AVX-512 VNNI, which takes 16 rows per 512-bit vector
+// (two int8 groups, or one int4 unit in one load). Each lane holds one weight row and does the scalar loop's
+// operations in its order.
 #include <cstring>
 
 #include "kernels.h"
@@ -23,38 +24,48 @@ namespace emulated {
 #define LK_TARGET LK_AVX2
 #define LK_DPBUSD(acc, u, s) dpbusd_avx2(acc, u, s)
 #define LK_Q8_GROUP q8_0_group
-#define LK_Q4_GROUP q4_1_group
+#define LK_Q4_HALF q4_half
+#define LK_Q4_UNITS q4_units
 #define LK_Q8_GEMV gemv_q8_0
-#define LK_Q4_GEMV gemv_q4_1
+#define LK_Q4_0_GEMV gemv_q4_0
+#define LK_Q4_1_GEMV gemv_q4_1
 #include "vnni256.inc"
 #undef LK_TARGET
 #undef LK_DPBUSD
 #undef LK_Q8_GROUP
-#undef LK_Q4_GROUP
+#undef LK_Q4_HALF
+#undef LK_Q4_UNITS
 #undef LK_Q8_GEMV
-#undef LK_Q4_GEMV
+#undef LK_Q4_0_GEMV
+#undef LK_Q4_1_GEMV
 }  // namespace emulated
 
 namespace avxvnni {
 #define LK_TARGET LK_AVXVNNI
 #define LK_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #define LK_Q8_GROUP q8_0_group
-#define LK_Q4_GROUP q4_1_group
+#define LK_Q4_HALF q4_half
+#define LK_Q4_UNITS q4_units
 #define LK_Q8_GEMV gemv_q8_0
-#define LK_Q4_GEMV gemv_q4_1
+#define LK_Q4_0_GEMV gemv_q4_0
+#define LK_Q4_1_GEMV gemv_q4_1
 #include "vnni256.inc"
 #undef LK_TARGET
 #undef LK_DPBUSD
 #undef LK_Q8_GROUP
-#undef LK_Q4_GROUP
+#undef LK_Q4_HALF
+#undef LK_Q4_UNITS
 #undef LK_Q8_GEMV
-#undef LK_Q4_GEMV
+#undef LK_Q4_0_GEMV
+#undef LK_Q4_1_GEMV
 }  // namespace avxvnni
 
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated) { emulated::gemv_q8_0(w, scales, nb, g0, g1, act, M, y, out_features); }
-LK_GEMV_Q4_1(gemv_q4_1_avxvnni_emulated) { emulated::gemv_q4_1(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q4(gemv_q4_0_avxvnni_emulated) { emulated::gemv_q4_0(w, nb, u0, u1, act, M, y, out_features); }
+LK_GEMV_Q4(gemv_q4_1_avxvnni_emulated) { emulated::gemv_q4_1(w, nb, u0, u1, act, M, y, out_features); }
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni) { avxvnni::gemv_q8_0(w, scales, nb, g0, g1, act, M, y, out_features); }
-LK_GEMV_Q4_1(gemv_q4_1_avxvnni) { avxvnni::gemv_q4_1(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q4(gemv_q4_0_avxvnni) { avxvnni::gemv_q4_0(w, nb, u0, u1, act, M, y, out_features); }
+LK_GEMV_Q4(gemv_q4_1_avxvnni) { avxvnni::gemv_q4_1(w, nb, u0, u1, act, M, y, out_features); }
 
 // AVX-512: lanes 0-7 are the rows of group g, lanes 8-15 those of group g + 1 (zeros past the last group).
 namespace {
@@ -102,19 +113,20 @@ LK_AVX512VNNI void q8_0_pair(const int8_t* w0, const int8_t* w1, const uint16_t*
   for (int m = 0; m < MT; m++) _mm512_storeu_ps(out[m], acc[m]);
 }
 
-template <int MT>
-LK_AVX512VNNI void q4_1_pair(const uint8_t* w0, const uint8_t* w1, const uint16_t* s0, const uint16_t* s1,
-                             const uint16_t* m0, const uint16_t* m1, int64_t nb, const ActRow* act,
-                             float (*out)[2 * ROWS]) {
+// A whole int4 unit (16 rows) per vector: each 64-byte run is one load, the scales (and minimums) 32 bytes after
+// the values in the same stream.
+template <int MT, bool kMins>
+LK_AVX512VNNI void q4_unit(const uint8_t* unit, int64_t nb, const ActRow* act, float (*out)[Q4_ROWS]) {
+  constexpr int64_t kBlock = kMins ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES;
   __m512 acc[MT];
   for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; b++) {
-    const int64_t at = b * Q4_BLOCK_BYTES;
+    const uint8_t* wb = unit + b * kBlock;
     __m512i isum[MT], hsum[MT];  // low and high nibbles in two chains of vpdpbusd, not one waiting on its latency
     for (int m = 0; m < MT; m++) isum[m] = hsum[m] = _mm512_setzero_si512();
     for (int p = 0; p < QK / 8; p++) {
-      const __m512i packed = two_groups(w0 + at + 32 * p, w1 ? w1 + at + 32 * p : nullptr);
+      const __m512i packed = _mm512_loadu_si512(wb + 64 * p);
       const __m512i low = _mm512_and_si512(packed, nibble);
       const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
       for (int m = 0; m < MT; m++) {
@@ -125,15 +137,38 @@ LK_AVX512VNNI void q4_1_pair(const uint8_t* w0, const uint8_t* w1, const uint16_
         hsum[m] = _mm512_dpbusd_epi32(hsum[m], high, _mm512_set1_epi32(hi_word));
       }
     }
-    for (int m = 0; m < MT; m++) isum[m] = _mm512_add_epi32(isum[m], hsum[m]);  // integers: the same sum in any order
-    const __m512 dw = two_groups_halves(s0 + b * ROWS, s1 ? s1 + b * ROWS : nullptr);
-    const __m512 mw = two_groups_halves(m0 + b * ROWS, m1 ? m1 + b * ROWS : nullptr);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + Q4_VALUE_BYTES)));
     for (int m = 0; m < MT; m++) {
-      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[b])), _mm512_cvtepi32_ps(isum[m]), acc[m]);
-      acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[m].s[b]), acc[m]);
+      __m512i total = _mm512_add_epi32(isum[m], hsum[m]);  // integers: the same sum in any order
+      if (!kMins) total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * act[m].sum[b]));
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[b])), _mm512_cvtepi32_ps(total), acc[m]);
+      if (kMins) {
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + Q4_0_BLOCK_BYTES)));
+        acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(act[m].s[b]), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MT; m++) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+template <bool kMins>
+LK_AVX512VNNI void gemv_q4(const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, const ActRow* act, int64_t M,
+                           float* y, int64_t out_features) {
+  constexpr int64_t kBlock = kMins ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES;
+  float tile[MAX_TILE][Q4_ROWS];
+  for (int64_t u = u0; u < u1; u++) {
+    const uint8_t* unit = w + u * nb * kBlock;
+    for (int64_t m = 0; m < M; m += MAX_TILE) {
+      const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
+      switch (mt) {
+        case 1: q4_unit<1, kMins>(unit, nb, act + m, tile); break;
+        case 2: q4_unit<2, kMins>(unit, nb, act + m, tile); break;
+        case 3: q4_unit<3, kMins>(unit, nb, act + m, tile); break;
+        default: q4_unit<4, kMins>(unit, nb, act + m, tile); break;
+      }
+      for (int64_t i = 0; i < mt; i++) store_rows(tile[i], Q4_ROWS, y + (m + i) * out_features, u * Q4_ROWS, out_features);
+    }
+  }
 }
 
 }  // namespace
@@ -160,37 +195,20 @@ LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) {
   }
 }
 
-LK_GEMV_Q4_1(gemv_q4_1_avx512vnni) {
-  float tile[MAX_TILE][2 * ROWS];
-  for (int64_t g = g0; g < g1; g += 2) {
-    const bool pair = g + 1 < g1;
-    const uint8_t* w0 = w + g * nb * Q4_BLOCK_BYTES;
-    const uint8_t* w1 = pair ? w0 + nb * Q4_BLOCK_BYTES : nullptr;
-    const uint16_t* s0 = scales + g * nb * ROWS;
-    const uint16_t* s1 = pair ? s0 + nb * ROWS : nullptr;
-    const uint16_t* m0 = mins + g * nb * ROWS;
-    const uint16_t* m1 = pair ? m0 + nb * ROWS : nullptr;
-    for (int64_t m = 0; m < M; m += MAX_TILE) {
-      const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
-      switch (mt) {
-        case 1: q4_1_pair<1>(w0, w1, s0, s1, m0, m1, nb, act + m, tile); break;
-        case 2: q4_1_pair<2>(w0, w1, s0, s1, m0, m1, nb, act + m, tile); break;
-        case 3: q4_1_pair<3>(w0, w1, s0, s1, m0, m1, nb, act + m, tile); break;
-        default: q4_1_pair<4>(w0, w1, s0, s1, m0, m1, nb, act + m, tile); break;
-      }
-      for (int64_t i = 0; i < mt; i++)
-        store_rows(tile[i], pair ? 2 * ROWS : ROWS, y + (m + i) * out_features, g * ROWS, out_features);
-    }
-  }
-}
+LK_GEMV_Q4(gemv_q4_0_avx512vnni) { gemv_q4<false>(w, nb, u0, u1, act, M, y, out_features); }
+LK_GEMV_Q4(gemv_q4_1_avx512vnni) { gemv_q4<true>(w, nb, u0, u1, act, M, y, out_features); }
 
 #else
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
-LK_GEMV_Q4_1(gemv_q4_1_avxvnni_emulated) { gemv_q4_1_scalar(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
-LK_GEMV_Q4_1(gemv_q4_1_avxvnni) { gemv_q4_1_scalar(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
-LK_GEMV_Q4_1(gemv_q4_1_avx512vnni) { gemv_q4_1_scalar(w, scales, mins, nb, g0, g1, act, M, y, out_features); }
+#define LK_SCALAR_Q4(path)                                                                                   \
+  LK_GEMV_Q4(gemv_q4_0_##path) { gemv_q4_0_scalar(w, nb, u0, u1, act, M, y, out_features); } \
+  LK_GEMV_Q4(gemv_q4_1_##path) { gemv_q4_1_scalar(w, nb, u0, u1, act, M, y, out_features); }
+LK_SCALAR_Q4(avxvnni_emulated)
+LK_SCALAR_Q4(avxvnni)
+LK_SCALAR_Q4(avx512vnni)
+#undef LK_SCALAR_Q4
 #endif
 
 }  // namespace llama_kv

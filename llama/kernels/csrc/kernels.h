@@ -1,25 +1,31 @@
 // Integer dot-product kernels for block-quantized weights: what every kernel file shares.
 //
 // Activations are rounded per block of QK values to int8 (Q8_0's rule: d = max|x| / 127, q = round(x / d)),
-// weights are int8 blocks (Q8_0: w = d * q) or int4 blocks with a scale and a minimum (Q4_1: w = d * q + m;
-// Q4_0 is m = -8d). Each output is then a sum over blocks of float scales times an int32 dot product:
+// weights are int8 blocks (Q8_0: w = d * q), int4 blocks with a scale (Q4_0: w = d * (q - 8)) or int4 blocks
+// with a scale and a minimum (Q4_1: w = d * q + m). Each output is then a sum over blocks of float scales
+// times an int32 dot product:
 //
 //     Q8_0:  y = sum_b (dw_b * da_b) * isum_b                              isum_b = sum_i qw_i * qa_i
-//     Q4_1:  y = sum_b (dw_b * da_b) * isum_b  +  sum_b mw_b * sa_b         sa_b = da_b * sum_i qa_i
+//     Q4_0:  y = sum_b (dw_b * da_b) * (isum_b - 8 * asum_b)               asum_b = sum_i qa_i
+//     Q4_1:  y = sum_b (dw_b * da_b) * isum_b  +  sum_b mw_b * sa_b         sa_b = da_b * asum_b
 //
 // The int32 sums are exact whatever the order; the float sums run over the blocks in order, one FMA per
 // block (fmaf(dw * da, float(isum), acc)), so every instruction path gives the very same bits as the scalar
 // loop: each SIMD lane holds one output row and does exactly the scalar loop's operations.
 //
-// Weights are held interleaved, ROWS rows at a time (a "group"), so that one vector holds 4 columns of each
-// of 8 rows and one broadcast activation word meets all of them; no horizontal sums are needed:
+// Weights are held interleaved, so that one vector holds 4 columns of each of 8 rows and one broadcast
+// activation word meets all of them; no horizontal sums are needed. int8 goes ROWS = 8 rows at a time (a
+// "group"); int4 Q4_ROWS = 16 rows at a time (a "unit", two halves of 8), its scales (and minimums) in the
+// same run of bytes as its values, so that a thread reads one stream and AVX-512 a whole unit per load:
 //
 //     int8:  weight[g][b][j][r][c]   = q[8g + r][32b + 4j + c]      j < 8, r < 8, c < 4   (256 bytes a block)
-//     int4:  weight[g][b][p][r][c]   = q[8g + r][32b + 4p + c] | q[8g + r][32b + 16 + 4p + c] << 4   p < 4
-//                                                                                           (128 bytes a block)
-//     scales[g][b][r], mins[g][b][r] = float16 scale (min) of row 8g + r, block b
+//            scales[g][b][r]         = float16 scale of row 8g + r, block b
+//     int4:  unit u, block b, 288 bytes (Q4_0) or 320 (Q4_1), row R = 16u + 8h + r:
+//            bytes 64p + 32h + 4r + c = q[R][32b + 4p + c] | q[R][32b + 16 + 4p + c] << 4    p < 4, h < 2
+//            bytes 256 + 2(8h + r)    = float16 scale of row R, block b
+//            bytes 288 + 2(8h + r)    = float16 minimum of row R, block b (Q4_1 only)
 //
-// Rows past the weight's end (out_features not a multiple of 8) are zeros and never written out.
+// Rows past the weight's end (out_features not a multiple of 8, or 16) are zeros and never written out.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +35,10 @@ namespace llama_kv {
 constexpr int QK = 32;    // values per block
 constexpr int ROWS = 8;   // weight rows interleaved in a group
 constexpr int Q8_BLOCK_BYTES = ROWS * QK;      // one group's int8 block
-constexpr int Q4_BLOCK_BYTES = ROWS * QK / 2;  // one group's int4 block
+constexpr int Q4_ROWS = 16;                   // int4 weight rows interleaved in a unit
+constexpr int Q4_VALUE_BYTES = Q4_ROWS * QK / 2;            // one unit's int4 values of a block
+constexpr int Q4_0_BLOCK_BYTES = Q4_VALUE_BYTES + 2 * Q4_ROWS;  // ... and their float16 scales
+constexpr int Q4_1_BLOCK_BYTES = Q4_0_BLOCK_BYTES + 2 * Q4_ROWS;  // ... and their float16 minimums
 
 // The instruction paths, in order of preference. Which of them this CPU runs is found once, at load.
 enum Path : int {
@@ -48,44 +57,45 @@ bool cpu_supports(int path);
 struct ActRow {
   const int8_t* q;
   const float* d;
-  const int32_t* sum;  // the VNNI paths' int8 kernel takes 128 * sum back off (it multiplies w + 128)
-  const float* s;      // d * sum, which the int4 kernel multiplies by each block's minimum
+  const int32_t* sum;  // Q4_0 takes 8 * sum off; the VNNI paths' int8 kernel 128 * sum (it multiplies w + 128)
+  const float* s;      // d * sum, which the Q4_1 kernel multiplies by each block's minimum
 };
 
 void quantize_row_f32(int path, const float* x, int64_t K, int8_t* q, float* d, int32_t* sum, float* s);
 void quantize_row_bf16(int path, const uint16_t* x, int64_t K, int8_t* q, float* d, int32_t* sum, float* s);
 
-// The products, one function per path and block type: y[m][8 * g + r] for groups g0 <= g < g1, every
-// activation row m < M and rows 8g + r below out_features (y's rows are out_features apart).
+// The products, one function per path and block type: y[m][R] for every activation row m < M and weight rows
+// R below out_features of groups g0 <= g < g1 (int8) or units u0 <= u < u1 (int4); y's rows are out_features
+// apart.
 #define LK_GEMV_Q8_0(name)                                                                                    \
   void name(const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, const ActRow* act, \
             int64_t M, float* y, int64_t out_features)
-#define LK_GEMV_Q4_1(name)                                                                                  \
-  void name(const uint8_t* w, const uint16_t* scales, const uint16_t* mins, int64_t nb, int64_t g0, int64_t g1, \
-            const ActRow* act, int64_t M, float* y, int64_t out_features)
+#define LK_GEMV_Q4(name) \
+  void name(const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, const ActRow* act, int64_t M, float* y, int64_t out_features)
 LK_GEMV_Q8_0(gemv_q8_0_scalar);
-LK_GEMV_Q4_1(gemv_q4_1_scalar);
 LK_GEMV_Q8_0(gemv_q8_0_avx2);
-LK_GEMV_Q4_1(gemv_q4_1_avx2);
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated);
-LK_GEMV_Q4_1(gemv_q4_1_avxvnni_emulated);
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni);
-LK_GEMV_Q4_1(gemv_q4_1_avxvnni);
 LK_GEMV_Q8_0(gemv_q8_0_avx512vnni);
-LK_GEMV_Q4_1(gemv_q4_1_avx512vnni);
+#define LK_DECLARE_Q4(path) LK_GEMV_Q4(gemv_q4_0_##path); LK_GEMV_Q4(gemv_q4_1_##path);
+LK_DECLARE_Q4(scalar)
+LK_DECLARE_Q4(avx2)
+LK_DECLARE_Q4(avxvnni_emulated)
+LK_DECLARE_Q4(avxvnni)
+LK_DECLARE_Q4(avx512vnni)
+#undef LK_DECLARE_Q4
 
 // Up to this many activation rows share each pass over a group's weights.
 constexpr int MAX_TILE = 4;
 
-// Write a group's 8 outputs (or 16 for two groups), leaving out rows past the weight's end.
+// Write a group's 8 outputs (or a unit's 16), leaving out rows past the weight's end.
 inline void store_rows(const float* acc, int n, float* y, int64_t first_row, int64_t out_features) {
   for (int r = 0; r < n && first_row + r < out_features; r++) y[first_row + r] = acc[r];
 }
 
-// The float32 weight of groups g0 <= g < g1 as (rows, K), for the products with many rows.
+// The float32 weight of groups g0 <= g < g1 (units u0 <= u < u1) as (rows, K), for the products with many rows.
 void dequantize_q8_0(const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, float* out);
-void dequantize_q4_1(const uint8_t* w, const uint16_t* scales, const uint16_t* mins, int64_t nb, int64_t g0,
-                     int64_t g1, float* out);
+void dequantize_q4(bool has_mins, const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, float* out);
 
 float half_to_float(uint16_t h);
 

@@ -4,10 +4,11 @@
 //
 //   quantize_activations(x) -> (q, d, sum)               x (M, K) float32 / bf16: int8 blocks, for the tests
 //   q8_0_linear(x, weight, scales, out_features)          int8 blocks of 32 (Q8_0)
-//   q4_1_linear(x, weight, scales, mins, out_features)    int4 blocks of 32 with a minimum (Q4_1; Q4_0 too)
+//   q4_0_linear(x, weight, out_features)                  int4 blocks of 32 with a scale (Q4_0), scales inside
+//   q4_1_linear(x, weight, out_features)                  int4 blocks of 32 with a minimum too (Q4_1)
 //   f32_linear(x, weight)                                 float32 x times a row-major float32 weight, for a
 //                                                        few rows (f32_rows.cpp)
-//   dequantize_q8_0 / dequantize_q4_1(...)                the float32 (out, K) weight
+//   dequantize_q8_0 / _q4_0 / _q4_1(...)                 the float32 (out, K) weight
 //   cpu_paths()                                          the paths this CPU runs, as numbers (kernels.h)
 //   set_options(path, gemm_min_rows)                     force a path (-1: the best) and where products
 //                                                        switch to dequantize-then-GEMM; returns the old ones
@@ -132,19 +133,16 @@ at::Tensor rows_of(const at::Tensor& x, const char* op) {
   return x.reshape({-1, x.size(-1)}).contiguous();
 }
 
-void check_weight(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor* mins, int64_t K,
-                  int64_t out_features, at::ScalarType dtype, int64_t block_bytes, const char* op) {
+// int8 weights: (groups, K / 32, 256) int8 and (groups, K / 32, 8) float16 scales.
+void check_q8_weight(const at::Tensor& weight, const at::Tensor& scales, int64_t K, int64_t out_features, const char* op) {
   const int64_t groups = (out_features + ROWS - 1) / ROWS, nb = K / QK;
-  TORCH_CHECK(weight.scalar_type() == dtype && weight.is_contiguous() &&
-                  weight.sizes() == at::IntArrayRef({groups, nb, block_bytes}),
-              op, ": weight must be contiguous ", dtype, " of shape (", groups, ", ", nb, ", ", block_bytes,
-              "), not ", weight.scalar_type(), " ", weight.sizes());
-  for (const at::Tensor* t : {&scales, mins}) {
-    if (!t) continue;
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() &&
-                    t->sizes() == at::IntArrayRef({groups, nb, ROWS}),
-                op, ": scales and mins must be contiguous float16 of shape (", groups, ", ", nb, ", ", ROWS, ")");
-  }
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() &&
+                  weight.sizes() == at::IntArrayRef({groups, nb, Q8_BLOCK_BYTES}),
+              op, ": weight must be contiguous int8 of shape (", groups, ", ", nb, ", ", Q8_BLOCK_BYTES, "), not ",
+              weight.scalar_type(), " ", weight.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({groups, nb, ROWS}),
+              op, ": scales must be contiguous float16 of shape (", groups, ", ", nb, ", ", ROWS, ")");
 }
 
 at::Tensor output_like(const at::Tensor& x, const at::Tensor& y) {
@@ -160,19 +158,19 @@ constexpr int64_t kMinBytesPerTask = 1 << 15;
 // Dequantize-then-GEMM: the quantized activations widened (q * d), times the widened weight, a slice of
 // groups at a time: 16 MB of float32 scratch, few enough slices that waking the threads for each costs little.
 template <typename Dequantize>
-at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, int64_t group_bytes,
+at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, int64_t group_bytes, int64_t group_rows,
                 Dequantize dequantize_groups) {
-  const int64_t M = a.q.size(0), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
+  const int64_t M = a.q.size(0), nb = K / QK, groups = (out_features + group_rows - 1) / group_rows;
   const at::Tensor xf = (a.q.to(at::kFloat).view({M, nb, QK}) * a.d.unsqueeze(-1)).view({M, K});
   at::Tensor y = at::empty({M, out_features}, xf.options());
-  const int64_t kSlice = std::min(groups, std::max<int64_t>(1, (int64_t(1) << 22) / (ROWS * K)));
-  at::Tensor wf = at::empty({kSlice * ROWS, K}, xf.options());
+  const int64_t kSlice = std::min(groups, std::max<int64_t>(1, (int64_t(1) << 22) / (group_rows * K)));
+  at::Tensor wf = at::empty({kSlice * group_rows, K}, xf.options());
   for (int64_t g = 0; g < groups; g += kSlice) {
-    const int64_t n = std::min(kSlice, groups - g), rows = std::min(n * ROWS, out_features - g * ROWS);
+    const int64_t n = std::min(kSlice, groups - g), rows = std::min(n * group_rows, out_features - g * group_rows);
     float* out = wf.data_ptr<float>();
     at::parallel_for(g, g + n, std::max<int64_t>(1, kMinBytesPerTask / group_bytes),
-                     [&](int64_t s, int64_t e) { dequantize_groups(s, e, out + (s - g) * ROWS * K); });
-    y.narrow(1, g * ROWS, rows).copy_(at::mm(xf, wf.narrow(0, 0, rows).t()));
+                     [&](int64_t s, int64_t e) { dequantize_groups(s, e, out + (s - g) * group_rows * K); });
+    y.narrow(1, g * group_rows, rows).copy_(at::mm(xf, wf.narrow(0, 0, rows).t()));
   }
   return y;
 }
@@ -180,13 +178,13 @@ at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, int64_t g
 at::Tensor q8_0_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
   const at::Tensor x = rows_of(x_in, "q8_0_linear");
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
-  check_weight(weight, scales, nullptr, K, out_features, at::kChar, Q8_BLOCK_BYTES, "q8_0_linear");
+  check_q8_weight(weight, scales, K, out_features, "q8_0_linear");
   const int path = active_path();
   const Activations a = quantize(x, path);
   const int8_t* w = weight.data_ptr<int8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (M >= gemm_min_rows.load()) {
-    return output_like(x_in, gemm(a, K, out_features, nb * Q8_BLOCK_BYTES, [&](int64_t g0, int64_t g1, float* out) {
+    return output_like(x_in, gemm(a, K, out_features, nb * Q8_BLOCK_BYTES, ROWS, [&](int64_t g0, int64_t g1, float* out) {
       dequantize_q8_0(w, sc, nb, g0, g1, out);
     }));
   }
@@ -206,35 +204,49 @@ at::Tensor q8_0_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   return output_like(x_in, y);
 }
 
-at::Tensor q4_1_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales,
-                       const at::Tensor& mins, int64_t out_features) {
-  const at::Tensor x = rows_of(x_in, "q4_1_linear");
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
-  check_weight(weight, scales, &mins, K, out_features, at::kByte, Q4_BLOCK_BYTES, "q4_1_linear");
+// int4 weights: (units, K / 32, block_bytes) uint8, one unit's blocks of values and scales (kernels.h).
+void check_q4_weight(const at::Tensor& weight, int64_t K, int64_t out_features, bool has_mins, const char* op) {
+  const int64_t units = (out_features + Q4_ROWS - 1) / Q4_ROWS, block = has_mins ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES;
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.sizes() == at::IntArrayRef({units, K / QK, block}),
+              op, ": weight must be contiguous uint8 of shape (", units, ", ", K / QK, ", ", block, "), not ",
+              weight.scalar_type(), " ", weight.sizes());
+}
+
+at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t out_features, bool has_mins) {
+  const char* op = has_mins ? "q4_1_linear" : "q4_0_linear";
+  const at::Tensor x = rows_of(x_in, op);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, units = (out_features + Q4_ROWS - 1) / Q4_ROWS;
+  check_q4_weight(weight, K, out_features, has_mins, op);
+  const int64_t unit_bytes = nb * (has_mins ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES);
   const int path = active_path();
   const Activations a = quantize(x, path);
   const uint8_t* w = weight.data_ptr<uint8_t>();
-  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  const uint16_t* mn = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>());
   if (M >= gemm_min_rows.load()) {
-    return output_like(x_in, gemm(a, K, out_features, nb * Q4_BLOCK_BYTES, [&](int64_t g0, int64_t g1, float* out) {
-      dequantize_q4_1(w, sc, mn, nb, g0, g1, out);
+    return output_like(x_in, gemm(a, K, out_features, unit_bytes, Q4_ROWS, [&](int64_t u0, int64_t u1, float* out) {
+      dequantize_q4(has_mins, w, nb, u0, u1, out);
     }));
   }
   at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const ActRow* rows = a.rows.data();
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / (nb * Q4_BLOCK_BYTES));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    switch (path) {
-      case kAvx512Vnni: gemv_q4_1_avx512vnni(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
-      case kAvxVnni: gemv_q4_1_avxvnni(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
-      case kAvxVnniEmulated: gemv_q4_1_avxvnni_emulated(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
-      case kAvx2: gemv_q4_1_avx2(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
-      default: gemv_q4_1_scalar(w, sc, mn, nb, g0, g1, rows, M, yp, out_features); break;
-    }
-  });
+  using Gemv = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const ActRow*, int64_t, float*, int64_t);
+  static const Gemv q4_0[kNumPaths] = {gemv_q4_0_scalar, gemv_q4_0_avx2, gemv_q4_0_avxvnni_emulated,
+                                       gemv_q4_0_avxvnni, gemv_q4_0_avx512vnni};
+  static const Gemv q4_1[kNumPaths] = {gemv_q4_1_scalar, gemv_q4_1_avx2, gemv_q4_1_avxvnni_emulated,
+                                       gemv_q4_1_avxvnni, gemv_q4_1_avx512vnni};
+  const Gemv gemv = (has_mins ? q4_1 : q4_0)[path];
+  at::parallel_for(0, units, std::max<int64_t>(1, kMinBytesPerTask / unit_bytes),
+                   [&](int64_t u0, int64_t u1) { gemv(w, nb, u0, u1, rows, M, yp, out_features); });
   return output_like(x_in, y);
+}
+
+at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
+  return q4_linear(x, weight, out_features, false);
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
+  return q4_linear(x, weight, out_features, true);
 }
 
 at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight) {
@@ -273,21 +285,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Te
 
 at::Tensor dequantize_q8_0_op(const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
   const int64_t nb = weight.size(1), K = nb * QK, groups = weight.size(0);
-  check_weight(weight, scales, nullptr, K, out_features, at::kChar, Q8_BLOCK_BYTES, "dequantize_q8_0");
+  check_q8_weight(weight, scales, K, out_features, "dequantize_q8_0");
   at::Tensor out = at::empty({groups * ROWS, K}, weight.options().dtype(at::kFloat));
   dequantize_q8_0(weight.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), nb, 0,
                   groups, out.data_ptr<float>());
   return out.narrow(0, 0, out_features);
 }
 
-at::Tensor dequantize_q4_1_op(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& mins,
-                              int64_t out_features) {
-  const int64_t nb = weight.size(1), K = nb * QK, groups = weight.size(0);
-  check_weight(weight, scales, &mins, K, out_features, at::kByte, Q4_BLOCK_BYTES, "dequantize_q4_1");
-  at::Tensor out = at::empty({groups * ROWS, K}, weight.options().dtype(at::kFloat));
-  dequantize_q4_1(weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                  reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()), nb, 0, groups, out.data_ptr<float>());
+at::Tensor dequantize_q4_op(const at::Tensor& weight, int64_t out_features, bool has_mins) {
+  const int64_t nb = weight.size(1), units = weight.size(0);
+  check_q4_weight(weight, nb * QK, out_features, has_mins, has_mins ? "dequantize_q4_1" : "dequantize_q4_0");
+  at::Tensor out = at::empty({units * Q4_ROWS, nb * QK}, weight.options().dtype(at::kFloat));
+  dequantize_q4(has_mins, weight.data_ptr<uint8_t>(), nb, 0, units, out.data_ptr<float>());
   return out.narrow(0, 0, out_features);
+}
+
+at::Tensor dequantize_q4_0_op(const at::Tensor& weight, int64_t out_features) {
+  return dequantize_q4_op(weight, out_features, false);
+}
+
+at::Tensor dequantize_q4_1_op(const at::Tensor& weight, int64_t out_features) {
+  return dequantize_q4_op(weight, out_features, true);
 }
 
 std::vector<int64_t> cpu_paths() {
@@ -325,10 +343,12 @@ bool cpu_supports(int path) {
 TORCH_LIBRARY(llama_kv, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_0_linear(Tensor x, Tensor weight, Tensor scales, int out_features) -> Tensor");
-  m.def("q4_1_linear(Tensor x, Tensor weight, Tensor scales, Tensor mins, int out_features) -> Tensor");
+  m.def("q4_0_linear(Tensor x, Tensor weight, int out_features) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor weight, int out_features) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("dequantize_q8_0(Tensor weight, Tensor scales, int out_features) -> Tensor");
-  m.def("dequantize_q4_1(Tensor weight, Tensor scales, Tensor mins, int out_features) -> Tensor");
+  m.def("dequantize_q4_0(Tensor weight, int out_features) -> Tensor");
+  m.def("dequantize_q4_1(Tensor weight, int out_features) -> Tensor");
   m.def("cpu_paths() -> int[]", &cpu_paths);
   m.def("get_options() -> int[]", &get_options);
   m.def("set_options(int path, int gemm_min_rows) -> int[]", &set_options);
@@ -337,9 +357,11 @@ TORCH_LIBRARY(llama_kv, m) {
 TORCH_LIBRARY_IMPL(llama_kv, CPU, m) {
   m.impl("quantize_activations", &quantize_activations);
   m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("q4_0_linear", &q4_0_linear);
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("f32_linear", &f32_linear);
   m.impl("dequantize_q8_0", &dequantize_q8_0_op);
+  m.impl("dequantize_q4_0", &dequantize_q4_0_op);
   m.impl("dequantize_q4_1", &dequantize_q4_1_op);
 }
 
