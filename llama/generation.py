@@ -5,10 +5,12 @@ step feeds the whole prefix `tokens[:, :cur_pos]` from position 0. Both compute 
 cache only saves the work of recomputing keys and values of positions already seen.
 """
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Set, Tuple, TypedDict, Union
+from typing import Callable, Iterator, List, Optional, Set, Tuple, TypedDict, Union
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +96,21 @@ def check_sampling(temperature: float, top_p: float, max_gen_len: int) -> None:
 def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(bsz, n) log-probabilities of `targets` under (bsz, n, vocab) logits."""
     return -F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a decode loop, and back as it was after: each step's few objects
+    set off collections that walk every object torch and the model hold (8.9 against 8.0 ms a token for the
+    int4 default model, compiled, in a script without the commands' gc.freeze()). Whatever a loop leaves in
+    cycles is collected after it, as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _trim(prompt_tokens: List[List[int]], tokens: torch.Tensor, token_logprobs: Optional[torch.Tensor], filled: int,
@@ -328,22 +345,23 @@ class Llama:
             token_logprobs[:, 1:] = _token_logprobs(self.model(tokens, 0)[:, :-1], tokens[:, 1:])
 
         filled = min_prompt_len
-        for cur_pos in range(min_prompt_len, total_len):
-            # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
-            logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
-                                   first=cur_pos == min_prompt_len)
-            next_token = sample(logits[:, -1], temperature, top_p, self.generator)
-            # Rows whose prompt is longer than the shortest one are still reading their prompt.
-            next_token = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
-            tokens[:, cur_pos] = next_token
-            if logprobs:
-                token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _token_logprobs(logits, tokens[:, prev_pos + 1 : cur_pos + 1])
-            stopped |= ~prompt_mask[:, cur_pos] & torch.isin(next_token, stop_ids)
-            prev_pos, filled = cur_pos, cur_pos + 1
-            if on_step is not None:
-                on_step(cur_pos, next_token)
-            if bool(stopped.all()):
-                break
+        with _collector_paused():
+            for cur_pos in range(min_prompt_len, total_len):
+                # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
+                logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
+                                       first=cur_pos == min_prompt_len)
+                next_token = sample(logits[:, -1], temperature, top_p, self.generator)
+                # Rows whose prompt is longer than the shortest one are still reading their prompt.
+                next_token = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
+                tokens[:, cur_pos] = next_token
+                if logprobs:
+                    token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _token_logprobs(logits, tokens[:, prev_pos + 1 : cur_pos + 1])
+                stopped |= ~prompt_mask[:, cur_pos] & torch.isin(next_token, stop_ids)
+                prev_pos, filled = cur_pos, cur_pos + 1
+                if on_step is not None:
+                    on_step(cur_pos, next_token)
+                if bool(stopped.all()):
+                    break
         if session is not None:
             session.end(tokens[0, :prev_pos].tolist())  # the last token was sampled, never fed
         return _trim(prompt_tokens, tokens, token_logprobs, filled, max_gen_len, echo, set(stop_list))

@@ -96,6 +96,26 @@ def test_generation_ends_early_when_every_row_has_stopped(gqa_ckpt):
     assert len(steps) == end + 1
 
 
+def test_the_garbage_collector_is_off_while_decoding_and_back_as_it_was_after(gqa_ckpt):
+    import gc
+
+    llama = build(gqa_ckpt)
+    prompt = [llama.tokenizer.encode("Hello world", bos=True, eos=False)]
+    seen = []
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            llama.generate(prompt, 3, temperature=0, ignore_stop=True, on_step=lambda pos, tok: seen.append(gc.isenabled()))
+            assert gc.isenabled() is enabled
+        with pytest.raises(ZeroDivisionError):  # and after a step that raises
+            gc.enable()
+            llama.generate(prompt, 3, temperature=0, on_step=lambda pos, tok: 1 / 0)
+        assert gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [False] * 6
+
+
 def test_ignore_stop_runs_every_row_to_the_exact_length(gqa_ckpt):
     llama = build(gqa_ckpt)
     prompts = [llama.tokenizer.encode(p, bos=True, eos=False) for p in PAIR]
