@@ -493,6 +493,12 @@ def test_row_exact_attention_is_attention_and_its_rows_stand_alone(dtype):
     # Keys a cache holds beyond what a step sees (a strided view of a longer buffer) change nothing either.
     longer = torch.cat([k, torch.randn(b, h, 5, d, generator=gen).to(dtype)], dim=2)[:, :, :n]
     assert torch.equal(torch.ops.llama_kv.attention(q, longer, v, mask), got)
+    # The plain loop (the kernels forced to the scalar path) gives the very bits of the AVX2 one, where there is one.
+    with kernels.options(path="scalar"):
+        assert torch.equal(torch.ops.llama_kv.attention(q, k, v, mask), got)
+        odd = torch.randn(b, h, n, 21, generator=gen).to(dtype)  # D not a multiple of 8: the lanes' tail
+        plain = torch.ops.llama_kv.attention(odd, odd, odd, mask)
+    assert torch.equal(torch.ops.llama_kv.attention(odd, odd, odd, mask), plain)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -11,7 +11,9 @@
 // Per row: s_j = dot(q, k_j) / sqrt(D) + mask_j over the keys whose mask is not -inf (the others are skipped:
 // they would add exactly nothing), m = max s_j, e_j = exp(s_j - m), out = (sum_j e_j v_j) / (sum_j e_j), the
 // sums taken over j in order. A dot product runs 8 partial sums over D and adds them in a fixed tree; the
-// compiler may vectorize those loops but not reorder them (no -ffast-math, no contraction).
+// compiler may vectorize those loops but not reorder them (no -ffast-math, no contraction). Where the CPU has
+// AVX2 (and the kernels' path is not forced below it), float32 rows run the same operations written 8 lanes at
+// a time (a multiply, then an add: the same bits): 16.9 against 27.8 us for 9 heads of 64 at 136 keys.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,7 +21,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "kernels.h"
 
 namespace llama_kv {
 namespace {
@@ -36,55 +41,137 @@ inline float dot(const float* q, const float* k, int64_t D) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
+// What every row of one call shares: the tensors' data, sizes and strides, and the mask's.
+template <typename T>
+struct Rows {
+  const T *q, *k, *v, *mask;
+  T* out;
+  int64_t H, Nq, D, Nk;
+  int64_t qs[3], ks[3], vs[3];  // strides of b, h and the row
+  int64_t mb, mi, mj;           // the mask's strides for row b, query i, key j
+  float scale;
+};
+
+constexpr float kHidden = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+void attend_range(const Rows<T>& a, int64_t r0, int64_t r1) {
+  std::vector<float> qrow(a.D), krow(a.D), acc(a.D), scores(a.Nk);
+  const int64_t D = a.D;
+  for (int64_t r = r0; r < r1; r++) {
+    const int64_t b = r / (a.H * a.Nq), h = r / a.Nq % a.H, i = r % a.Nq;
+    const T* qi = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+    for (int64_t d = 0; d < D; d++) qrow[d] = to_float(qi[d]);
+    const T* kb = a.k + b * a.ks[0] + h * a.ks[1];
+    const T* vb = a.v + b * a.vs[0] + h * a.vs[1];
+    float m = kHidden;
+    for (int64_t j = 0; j < a.Nk; j++) {
+      const float mv = a.mask ? to_float(a.mask[b * a.mb + i * a.mi + j * a.mj]) : 0.0f;
+      if (mv == kHidden) {
+        scores[j] = kHidden;
+        continue;
+      }
+      const T* kj = kb + j * a.ks[2];
+      for (int64_t d = 0; d < D; d++) krow[d] = to_float(kj[d]);
+      float s = dot(qrow.data(), krow.data(), D) * a.scale;
+      if (mv != 0.0f) s += mv;
+      scores[j] = s;
+      m = std::max(m, s);
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float total = 0.0f;
+    for (int64_t j = 0; j < a.Nk; j++) {
+      if (scores[j] == kHidden) continue;
+      const float e = std::exp(scores[j] - m);
+      total += e;
+      const T* vj = vb + j * a.vs[2];
+      for (int64_t d = 0; d < D; d++) acc[d] += e * to_float(vj[d]);
+    }
+    T* oi = a.out + ((b * a.H + h) * a.Nq + i) * D;
+    for (int64_t d = 0; d < D; d++) oi[d] = static_cast<T>(acc[d] / total);
+  }
+}
+
+#if LLAMA_KV_X86
+// `dot` 8 lanes at a time: lane l sums the products of d = l mod 8, multiplied then added, as the loop above.
+LK_AVX2 inline float dot_avx2(const float* q, const float* k, int64_t D) {
+  __m256 sum = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) sum = _mm256_add_ps(sum, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sum);
+  for (int l = 0; d < D; d++, l++) lanes[l] += q[d] * k[d];
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// `attend_range` for float32, its loops over D 8 lanes at a time; every float operation is the same one.
+LK_AVX2 void attend_range_avx2(const Rows<float>& a, int64_t r0, int64_t r1) {
+  std::vector<float> acc(a.D), scores(a.Nk);
+  const int64_t D = a.D;
+  for (int64_t r = r0; r < r1; r++) {
+    const int64_t b = r / (a.H * a.Nq), h = r / a.Nq % a.H, i = r % a.Nq;
+    const float* qi = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+    const float* kb = a.k + b * a.ks[0] + h * a.ks[1];
+    const float* vb = a.v + b * a.vs[0] + h * a.vs[1];
+    float m = kHidden;
+    for (int64_t j = 0; j < a.Nk; j++) {
+      const float mv = a.mask ? a.mask[b * a.mb + i * a.mi + j * a.mj] : 0.0f;
+      if (mv == kHidden) {
+        scores[j] = kHidden;
+        continue;
+      }
+      float s = dot_avx2(qi, kb + j * a.ks[2], D) * a.scale;
+      if (mv != 0.0f) s += mv;
+      scores[j] = s;
+      m = std::max(m, s);
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float total = 0.0f;
+    for (int64_t j = 0; j < a.Nk; j++) {
+      if (scores[j] == kHidden) continue;
+      const float e = std::exp(scores[j] - m);
+      total += e;
+      const float* vj = vb + j * a.vs[2];
+      const __m256 ev = _mm256_set1_ps(e);
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8)
+        _mm256_storeu_ps(acc.data() + d, _mm256_add_ps(_mm256_loadu_ps(acc.data() + d), _mm256_mul_ps(ev, _mm256_loadu_ps(vj + d))));
+      for (; d < D; d++) acc[d] += e * vj[d];
+    }
+    float* oi = a.out + ((b * a.H + h) * a.Nq + i) * D;
+    for (int64_t d = 0; d < D; d++) oi[d] = acc[d] / total;
+  }
+}
+#endif
+
 template <typename T>
 void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* mask, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), Nq = q.size(2), D = q.size(3), Nk = k.size(2);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const T* mp = mask ? mask->data_ptr<T>() : nullptr;
-  // A mask of one row for all (Nq, Nk) or one per row (B, 1, Nq, Nk): strides for row b, query i, key j.
+  Rows<T> a;
+  a.q = q.data_ptr<T>();
+  a.k = k.data_ptr<T>();
+  a.v = v.data_ptr<T>();
+  a.out = out.data_ptr<T>();
+  a.mask = mask ? mask->data_ptr<T>() : nullptr;
+  a.H = q.size(1), a.Nq = q.size(2), a.D = q.size(3), a.Nk = k.size(2);
+  for (int i = 0; i < 3; i++) a.qs[i] = q.stride(i), a.ks[i] = k.stride(i), a.vs[i] = v.stride(i);
+  // A mask of one row for all (Nq, Nk) or one per row (B, 1, Nq, Nk).
   const bool per_row = mask && mask->dim() == 4;
-  const int64_t mb = per_row ? mask->stride(0) : 0;
-  const int64_t mi = mask ? mask->stride(per_row ? 2 : 0) : 0;
-  const int64_t mj = mask ? mask->stride(per_row ? 3 : 1) : 0;
-  const float scale = 1.0f / std::sqrt(float(D));
-  const float hidden = -std::numeric_limits<float>::infinity();
-  at::parallel_for(0, B * H * Nq, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, Nk * D)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> qrow(D), krow(D), acc(D), scores(Nk);
-    for (int64_t r = r0; r < r1; r++) {
-      const int64_t b = r / (H * Nq), h = r / Nq % H, i = r % Nq;
-      const T* qi = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
-      for (int64_t d = 0; d < D; d++) qrow[d] = to_float(qi[d]);
-      const T* kb = kp + b * k.stride(0) + h * k.stride(1);
-      const T* vb = vp + b * v.stride(0) + h * v.stride(1);
-      float m = hidden;
-      for (int64_t j = 0; j < Nk; j++) {
-        const float mv = mp ? to_float(mp[b * mb + i * mi + j * mj]) : 0.0f;
-        if (mv == hidden) {
-          scores[j] = hidden;
-          continue;
-        }
-        const T* kj = kb + j * k.stride(2);
-        for (int64_t d = 0; d < D; d++) krow[d] = to_float(kj[d]);
-        float s = dot(qrow.data(), krow.data(), D) * scale;
-        if (mv != 0.0f) s += mv;
-        scores[j] = s;
-        m = std::max(m, s);
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      float total = 0.0f;
-      for (int64_t j = 0; j < Nk; j++) {
-        if (scores[j] == hidden) continue;
-        const float e = std::exp(scores[j] - m);
-        total += e;
-        const T* vj = vb + j * v.stride(2);
-        for (int64_t d = 0; d < D; d++) acc[d] += e * to_float(vj[d]);
-      }
-      T* oi = op + ((b * H + h) * Nq + i) * D;
-      for (int64_t d = 0; d < D; d++) oi[d] = static_cast<T>(acc[d] / total);
+  a.mb = per_row ? mask->stride(0) : 0;
+  a.mi = mask ? mask->stride(per_row ? 2 : 0) : 0;
+  a.mj = mask ? mask->stride(per_row ? 3 : 1) : 0;
+  a.scale = 1.0f / std::sqrt(float(a.D));
+  bool avx2 = false;
+#if LLAMA_KV_X86
+  avx2 = std::is_same<T, float>::value && kernel_path() >= kAvx2;
+#endif
+  const int64_t rows = q.size(0) * a.H * a.Nq;
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, a.Nk * a.D)), [&](int64_t r0, int64_t r1) {
+#if LLAMA_KV_X86
+    if constexpr (std::is_same<T, float>::value) {
+      if (avx2) return attend_range_avx2(a, r0, r1);
     }
+#endif
+    attend_range(a, r0, r1);
   });
 }
 

@@ -52,6 +52,7 @@ enum Path : int {
 
 const char* path_name(int path);
 bool cpu_supports(int path);
+int kernel_path();  // the path the ops take now: the CPU's best, or the one forced (tests force each)
 
 // Activations of one row: K values -> K / QK blocks of int8 values, scale d, sum of the values, and d * sum.
 struct ActRow {

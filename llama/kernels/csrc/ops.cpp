@@ -329,6 +329,8 @@ std::vector<int64_t> set_options(int64_t path, int64_t min_rows) {
 
 }  // namespace
 
+int kernel_path() { return active_path(); }
+
 bool cpu_supports(int path) {
   switch (path) {
     case kScalar: return true;
