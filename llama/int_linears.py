@@ -27,8 +27,8 @@ _CHUNK_ELEMENTS = 1 << 22
 
 
 def _blocks_per_group(layer: QuantizedLinear) -> int:
-    """How many blocks of 32 each of the layer's scales covers."""
-    return (layer.group_size or layer.in_features) // kernels.QK
+    """How many blocks of 32 each of the layer's scales covers (groups of 16 keep their scales as they are: 1)."""
+    return max(1, (layer.group_size or layer.in_features) // kernels.QK)
 
 
 def _row_slices(layer: QuantizedLinear, step: int = kernels.ROWS):
@@ -55,7 +55,7 @@ def _filled(new: QuantizedLinear, names, slices, step: int, pack, huge: bool = F
 
 
 class _DotLinear(QuantizedLinear):
-    """What the two classes share: re-packing a slice of rows at a time, and reading rows back."""
+    """What the classes share: re-packing a slice of rows at a time, and reading rows back."""
 
     integer_kernels = True  # llama.linears.layer_class keeps such a layer on the kernels
     _rows = kernels.ROWS  # rows interleaved in a group (unit)
@@ -173,59 +173,31 @@ def _minimums_are_minus_8_scales(layer: QuantizedLinear) -> bool:
     return all(torch.equal(m.float(), s.float() * -8) for s, m in pairs)
 
 
-class Int8SixteensDotLinear(QuantizedLinear):
-    """int8 in groups of 16 columns (what a GGUF's Q6_K becomes, llama.cpp's default output layer for Q4_0) on the
-    Q8_0 kernel, as two layouts of blocks of 32: one holds each block's first 16 columns beside 16 zeros, with their
-    group's scale, the other its last 16 after 16 zeros, with theirs; `forward` adds the two products. Zeros add
-    nothing to a block's integer sum, so each half is its group's exact integer product, for twice the bytes of
-    the values (widening them to float32 at every call took 323 ms a token for LLaMA-2 7B's output layer)."""
+class Int8SixteensDotLinear(_DotLinear):
+    """int8 in groups of 16 columns (what a GGUF's Q6_K becomes, llama.cpp's default output layer for Q4_0): Q8_0's
+    blocks of 32 with a float16 scale for each half, 8 rows interleaved; multiplied by
+    `torch.ops.llama_kv.q8_16_linear`, which sums each half's integer products apart and scales them apart."""
 
     method = "int8"
-    integer_kernels = True
+    _buffers_held = ("weight", "scales")
+    _pack = staticmethod(layout.pack_q8_16)
+    _unpack = staticmethod(layout.unpack_q8_16)
 
     def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = 16):
         super().__init__(in_features, out_features, 16)
         shape = (layout.groups(out_features), in_features // kernels.QK)
-        # The first halves are `weight` and `scales`, where every layer keeps them (the device, the dtype are read there).
-        for suffix in ("", "_second"):
-            self.register_buffer(f"weight{suffix}", torch.empty(*shape, kernels.ROWS * kernels.QK, dtype=torch.int8,
-                                                                device="meta"))
-            self.register_buffer(f"scales{suffix}", torch.empty(*shape, kernels.ROWS, dtype=SCALE_DTYPE, device="meta"))
-
-    @classmethod
-    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int8SixteensDotLinear":
-        new = cls(layer.in_features, layer.out_features)
-
-        def pack(start, end):
-            values, scales = layer.format_values(start, end)
-            rows, nb = values.shape[0], layer.in_features // kernels.QK
-            halves = values.reshape(rows, nb, 2, 16)
-            zeros = torch.zeros_like(halves[:, :, 0])
-            scales = scales.to(SCALE_DTYPE).reshape(rows, nb, 2)
-            first = layout.pack_q8_0(torch.cat((halves[:, :, 0], zeros), dim=-1).reshape(rows, -1), scales[:, :, 0])
-            second = layout.pack_q8_0(torch.cat((zeros, halves[:, :, 1]), dim=-1).reshape(rows, -1), scales[:, :, 1])
-            return (*first, *second)
-
-        _filled(new, ("weight", "scales", "weight_second", "scales_second"), _row_slices(layer), kernels.ROWS, pack)
-        return new
+        self.register_buffer("weight", torch.empty(*shape, kernels.ROWS * kernels.QK, dtype=torch.int8, device="meta"))
+        self.register_buffer("scales", torch.empty(*shape, 2, kernels.ROWS, dtype=SCALE_DTYPE, device="meta"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first = torch.ops.llama_kv.q8_0_linear(x, self.weight, self.scales, self.out_features)
-        return first + torch.ops.llama_kv.q8_0_linear(x, self.weight_second, self.scales_second, self.out_features)
-
-    def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
-        end = self.out_features if end is None else min(end, self.out_features)
-        first, last = start // kernels.ROWS, -(-end // kernels.ROWS)
-        rows = slice(start - first * kernels.ROWS, end - first * kernels.ROWS)
-        n = (last - first) * kernels.ROWS
-        v1, s1 = layout.unpack_q8_0(self.weight[first:last], self.scales[first:last], n)
-        v2, s2 = layout.unpack_q8_0(self.weight_second[first:last], self.scales_second[first:last], n)
-        scales = torch.stack((s1, s2), dim=-1).reshape(n, -1)  # the groups of 16 in column order
-        return (v1 + v2)[rows], scales[rows]  # each column is zero in one of the two
+        return torch.ops.llama_kv.q8_16_linear(x, self.weight, self.scales, self.out_features)
 
     def format_tensors(self) -> Dict[str, torch.Tensor]:
         values, scales = self.format_values()
         return {"weight": values, "scales": scales}
+
+    def _dequantize(self) -> torch.Tensor:
+        return torch.ops.llama_kv.dequantize_q8_16(self.weight, self.scales, self.out_features)
 
 
 def integer_class(layer: QuantizedLinear, dtype: torch.dtype) -> Optional[Type[QuantizedLinear]]:

@@ -22,11 +22,14 @@ once. Every quantized class's `state_dict()` is the on-disk layout.
     Int4HalvesLinear    a group's first half low, second high   the compiled reduction (GGUF's Q4 order)
     Int8DotLinear       int8 blocks of 32, 8 rows interleaved   llama_kv.q8_0_linear: activations rounded to
                                                                 int8 blocks, integer dot products (CPU)
-    Int4DotLinear       int4 blocks of 32, 8 rows interleaved   llama_kv.q4_1_linear, the same with int4
-    Int8SixteensDotLinear int8 groups of 16, as two Q8_0 layouts  llama_kv.q8_0_linear twice, each group beside
-                        of blocks of 32                         zeros (a GGUF's Q6_K)
+    Int4DotLinear       int4 blocks of 32 + scales and minimums, llama_kv.q4_1_linear, the same with int4
+                        16 rows interleaved in one stream
+    Int4ZeroPointDotLinear the same without the minimums        llama_kv.q4_0_linear (a GGUF's Q4_0: each
+                        (each one -8 times its scale)           minimum -8 times its scale)
+    Int8SixteensDotLinear int8 blocks of 32, a scale for each   llama_kv.q8_16_linear (a GGUF's Q6_K: groups
+                        half, 8 rows interleaved                of 16), each half's sum scaled apart
 
-The two Dot classes (llama/int_linears.py) are what a quantized CPU model runs by default: they round the
+The Dot classes (llama/int_linears.py) are what a quantized CPU model runs by default: they round the
 activations too, so they multiply by the same weights but not the same activations, within a bound the tests
 state (tests/test_int_kernels.py). Every other class multiplies by the same values: widening is the exact float model of the dequantized weights,
 and each faster path is tested against it. torch's kernels are chosen for bf16 activations only: fed

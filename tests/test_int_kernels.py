@@ -62,6 +62,7 @@ def gamma(n):
 @pytest.fixture(params=PATHS)
 def path(request):
     """Each instruction path in turn, forced; those this CPU lacks are skipped (and say so)."""
+    assert kernels.load(), kernels.unavailable_reason()  # loaded here too, for a test picked out alone
     if request.param not in kernels.cpu_paths():
         pytest.skip(f"this CPU cannot run the {request.param} path")
     with kernels.options(path=request.param):
@@ -83,19 +84,22 @@ def ref_quantize(x):
     return q.to(torch.int8).reshape(x.shape), d, q.sum(-1).to(torch.int32)
 
 
-def ref_linear(x, values, scales, mins=None):
+def ref_linear(x, values, scales, mins=None, group=QK):
     """The exact sum the kernel rounds, and its float32 bound: (M, out) float64 each.
 
-    values: (out, K) int8 or 0..15; scales, mins: (out, K / 32) float16, one per block."""
+    values: (out, K) int8 or 0..15; scales, mins: (out, K / group) float16, one per block of 32 (or per half block,
+    group 16: each half's integer sum scaled apart, in column order)."""
     q, d, total = ref_quantize(x)
     m, nb = d.shape
     out = values.shape[0]
-    isum = torch.einsum("mbi,obi->mob", q.reshape(m, nb, QK).double(), values.reshape(out, nb, QK).double())
-    terms = [(scales.float().unsqueeze(0) * d.unsqueeze(1)).double() * isum]  # the kernel's float32 dw * da
+    per = QK // group
+    isum = torch.einsum("mbi,obi->mob", q.reshape(m, nb * per, group).double(), values.reshape(out, nb * per, group).double())
+    da = d.repeat_interleave(per, dim=1)  # each half block's activation scale is its block's
+    terms = [(scales.float().unsqueeze(0) * da.unsqueeze(1)).double() * isum]  # the kernel's float32 dw * da
     if mins is not None:
         terms.append(mins.double().unsqueeze(0) * (d * total.float()).double().unsqueeze(1))  # float32 da * sum
     y = sum(t.sum(-1) for t in terms)
-    bound = gamma(nb * len(terms)) * sum(t.abs().sum(-1) for t in terms)
+    bound = gamma(nb * per * len(terms)) * sum(t.abs().sum(-1) for t in terms)
     if x.dtype == torch.bfloat16:
         bound = bound + 2.0 ** -8 * (y.abs() + bound)  # the output rounded to bf16
     return y, bound
@@ -106,7 +110,8 @@ def ref_dequantized_product(x, values, scales, mins=None):
     q, d, _ = ref_quantize(x)
     m, nb = d.shape
     xs = (q.reshape(m, nb, QK).double() * d.double().unsqueeze(-1)).reshape(m, -1)
-    scaled = (values.reshape(values.shape[0], nb, QK).double() * scales.double().unsqueeze(-1)).reshape(values.shape[0], -1)
+    groups = scales.shape[1]  # one scale a block, or (groups of 16) two
+    scaled = (values.reshape(values.shape[0], groups, -1).double() * scales.double().unsqueeze(-1)).reshape(values.shape[0], -1)
     w = scaled if mins is None else scaled + mins.double().repeat_interleave(QK, dim=1)
     magnitude = xs.abs() @ (scaled.abs() + (0 if mins is None else mins.double().abs().repeat_interleave(QK, dim=1))).t()
     bound = gamma(x.shape[1] + 4) * magnitude
@@ -115,16 +120,17 @@ def ref_dequantized_product(x, values, scales, mins=None):
     return xs @ w.t(), bound
 
 
-# The kernels' block formats: int8 (Q8_0), int4 with a minimum (Q4_1), int4 whose minimum is -8 times its scale (Q4_0).
-FORMATS = ["int8", "int4", "q4_0"]
+# The kernels' block formats: int8 (Q8_0), int8 in groups of 16 (two scales a block: Q6_K's), int4 with a minimum
+# (Q4_1), int4 whose minimum is -8 times its scale (Q4_0).
+FORMATS = ["int8", "q8_16", "int4", "q4_0"]
 
 
 def random_weights(method, out, k, gen):
     """Values over the whole range (int8 -128..127, whose extremes test maddubs' saturation), block scales and
     mins (Q4_1 only) as float16 of a trained model's size."""
-    nb = k // QK
+    nb = k // QK * (2 if method == "q8_16" else 1)
     scales = (torch.rand(out, nb, generator=gen) * 0.02 + 1e-3).half()
-    if method == "int8":
+    if method in ("int8", "q8_16"):
         return torch.randint(-128, 128, (out, k), generator=gen, dtype=torch.int8), scales, None
     values = torch.randint(0, 16, (out, k), generator=gen, dtype=torch.uint8)
     if method == "q4_0":
@@ -138,6 +144,8 @@ def run(method, x, values, scales, mins):
     if method == "int8":
         w, s = layout.pack_q8_0(values, scales)
         return torch.ops.llama_kv.q8_0_linear(x, w, s, out)
+    if method == "q8_16":
+        return torch.ops.llama_kv.q8_16_linear(x, *layout.pack_q8_16(values, scales), out)
     if method == "q4_0":
         return torch.ops.llama_kv.q4_0_linear(x, layout.pack_q4(values, scales), out)
     return torch.ops.llama_kv.q4_1_linear(x, layout.pack_q4(values, scales, mins), out)
@@ -148,6 +156,8 @@ def ref(method, x, values, scales, mins=None):
     block's integer sum, exactly)."""
     if method == "q4_0":
         return ref_linear(x, values.to(torch.int8) - 8, scales)
+    if method == "q8_16":
+        return ref_linear(x, values, scales, group=16)
     return ref_linear(x, values, scales, mins)
 
 
@@ -195,18 +205,19 @@ def test_every_blocks_int32_dot_product_is_exact(path, method):
     x[1] = 127
     x[2] = -127
     values, _, _ = random_weights(method, out, k, gen)
-    values[0] = -128 if method == "int8" else 15
-    values[1] = 127 if method == "int8" else 15
+    values[0] = -128 if method in ("int8", "q8_16") else 15
+    values[1] = 127 if method in ("int8", "q8_16") else 15
     values[3] = 0  # Q4_0's most negative weight, -8
-    one_hot = torch.zeros(out, nb)
-    one_hot[torch.arange(out), torch.arange(out) % nb] = 1
+    per = 2 if method == "q8_16" else 1  # scales a block: one-hot on a half of it sees that half's sum
+    one_hot = torch.zeros(out, nb * per)
+    one_hot[torch.arange(out), torch.arange(out) % (nb * per)] = 1
     zeros = torch.zeros(out, nb).half()
     signed = values.double() - (8 if method == "q4_0" else 0)
-    isum = torch.einsum("mbi,obi->mob", x.reshape(m, nb, QK).double(), signed.reshape(out, nb, QK))
-    want = isum[:, torch.arange(out), torch.arange(out) % nb]
+    isum = torch.einsum("mbi,obi->mob", x.reshape(m, nb * per, QK // per).double(), signed.reshape(out, nb * per, QK // per))
+    want = isum[:, torch.arange(out), torch.arange(out) % (nb * per)]
     got = run(method, x, values, one_hot.half(), None if method == "q4_0" else zeros)
     assert torch.equal(got.double(), want)
-    assert got[2, 0] == {"int8": 128 * 127 * QK, "int4": -15 * 127 * QK, "q4_0": -7 * 127 * QK}[method]
+    assert got[2, 0] == {"int8": 128 * 127 * QK, "q8_16": 128 * 127 * 16, "int4": -15 * 127 * QK, "q4_0": -7 * 127 * QK}[method]
     if method == "int4":  # the minimums' term: each output is one block's sum of activations, exactly
         got = run(method, x, values, zeros, one_hot.half())
         assert torch.equal(got.double(), x.reshape(m, nb, QK).sum(-1).double()[:, torch.arange(out) % nb])
@@ -286,6 +297,8 @@ def test_dequantizing_gives_the_formats_values_exactly():
         values, scales, mins = random_weights(method, 45, 256, gen)
         if method == "int8":
             got = torch.ops.llama_kv.dequantize_q8_0(*layout.pack_q8_0(values, scales), 45)
+        elif method == "q8_16":
+            got = torch.ops.llama_kv.dequantize_q8_16(*layout.pack_q8_16(values, scales), 45)
         elif method == "q4_0":
             got = torch.ops.llama_kv.dequantize_q4_0(layout.pack_q4(values, scales), 45)
             mins = scales * -8
@@ -373,26 +386,20 @@ def test_a_kernel_layer_holds_the_stored_values_and_multiplies_them(method, grou
         assert torch.equal(back.state_dict()[name], tensor), name
 
 
-def test_int8_groups_of_16_run_on_the_kernel_as_two_halves(monkeypatch):
-    """A GGUF's Q6_K becomes int8 in groups of 16 (llama.cpp's default output layer for Q4_0): held as two layouts of
-    blocks of 32, each group beside 16 zeros, the layer gives back its on-disk tensors exactly, and its product is
-    the two halves' kernel products added."""
+def test_int8_groups_of_16_run_on_the_kernel_with_a_scale_for_each_half(monkeypatch):
+    """A GGUF's Q6_K becomes int8 in groups of 16 (llama.cpp's default output layer for Q4_0): held as Q8_0's blocks
+    with two scales each, the layer gives back its on-disk tensors exactly, and its product is the kernel's."""
     import llama.int_linears as int_linears
 
     gen = torch.Generator().manual_seed(11)
     stored = _layer("int8", 75, 256, 16, gen)
+    assert int_linears.integer_class(stored, torch.float32) is Int8SixteensDotLinear
     monkeypatch.setattr(int_linears, "_CHUNK_ELEMENTS", 16 * 256)  # five slices, the last one short
     layer = Int8SixteensDotLinear.from_layer(stored, torch.float32)
     _assert_holds(layer, stored)
     values, scales = stored.format_values()
-    halves = values.reshape(75, 256 // QK, 2, 16)
-    zeros = torch.zeros_like(halves[:, :, 0])
-    first = torch.cat((halves[:, :, 0], zeros), dim=-1).reshape(75, 256)
-    second = torch.cat((zeros, halves[:, :, 1]), dim=-1).reshape(75, 256)
     x = torch.randn(2, 3, 256, generator=gen)
-    (y1, b1), (y2, b2) = (ref_linear(x.reshape(6, 256), v, scales[:, i::2]) for i, v in enumerate((first, second)))
-    want, bound = y1 + y2, b1 + b2
-    bound = bound + 2.0 ** -24 * (want.abs() + bound)  # the two products added in float32
+    want, bound = ref("q8_16", x.reshape(6, 256), values, scales)
     got = layer(x)
     assert got.shape == (2, 3, 75)
     assert ((got.reshape(6, 75).double() - want).abs() <= bound).all()

@@ -104,6 +104,10 @@ def _register_fakes() -> None:
     def _(x, weight, scales, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake(lib + "q8_16_linear")
+    def _(x, weight, scales, out_features):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake(lib + "q4_0_linear")
     def _(x, weight, out_features):
         return x.new_empty((*x.shape[:-1], out_features))
@@ -127,6 +131,10 @@ def _register_fakes() -> None:
                 x.new_empty((rows, k // QK), dtype=torch.int32))
 
     @torch.library.register_fake(lib + "dequantize_q8_0")
+    def _(weight, scales, out_features):
+        return weight.new_empty((out_features, weight.shape[1] * QK), dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "dequantize_q8_16")
     def _(weight, scales, out_features):
         return weight.new_empty((out_features, weight.shape[1] * QK), dtype=torch.float32)
 

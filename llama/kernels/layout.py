@@ -57,6 +57,22 @@ def unpack_q8_0(weight: torch.Tensor, scales: torch.Tensor, out_features: int) -
     return v.reshape(g * ROWS, nb * QK)[:out_features], _unpack_scales(scales, out_features)
 
 
+def pack_q8_16(values: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """int8 in groups of 16: (out, K) values and (out, K / 16) float16 scales -> `pack_q8_0`'s values and scales
+    (groups, K / 32, 2, 8), each block's two halves' scales one after the other."""
+    weight, _ = pack_q8_0(values, scales[:, ::2])
+    s = _padded(scales)
+    g, nb = s.shape[0] // ROWS, s.shape[1] // 2
+    return weight, s.reshape(g, ROWS, nb, 2).permute(0, 2, 3, 1).contiguous()
+
+
+def unpack_q8_16(weight: torch.Tensor, scales: torch.Tensor, out_features: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_q8_16`: (out, K) values and (out, K / 16) scales."""
+    g, nb = weight.shape[:2]
+    values, _ = unpack_q8_0(weight, scales[:, :, 0], out_features)
+    return values, scales.permute(0, 3, 1, 2).reshape(g * ROWS, nb * 2)[:out_features]
+
+
 def q4_block_bytes(has_mins: bool) -> int:
     """Bytes of one int4 unit's block: values, scales and (Q4_1) minimums."""
     return Q4_VALUE_BYTES + 2 * Q4_ROWS * (2 if has_mins else 1)

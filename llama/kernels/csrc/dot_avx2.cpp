@@ -25,28 +25,39 @@ LK_AVX2 inline __m256 halves8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// One group (8 rows) against MT activation rows: out[m][r].
-template <int MT>
+// One group (8 rows) against MT activation rows: out[m][r]. kHalves: int8 in groups of 16, each half of a block
+// (columns 0-15, 16-31) scaled apart.
+template <int MT, bool kHalves>
 LK_AVX2 void q8_0_group(const int8_t* wg, const uint16_t* sg, int64_t nb, const ActRow* act, float (*out)[ROWS]) {
   __m256 acc[MT];
   for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; b++) {
     const int8_t* wb = wg + b * Q8_BLOCK_BYTES;
-    __m256i isum[MT];
-    for (int m = 0; m < MT; m++) isum[m] = _mm256_setzero_si256();
+    __m256i isum[MT][2];  // columns 0-15 (runs 0-3) and 16-31 (runs 4-7)
+    for (int m = 0; m < MT; m++) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
     for (int j = 0; j < QK / 4; j++) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
       const __m256i aw = _mm256_sign_epi8(w, w);
       for (int m = 0; m < MT; m++) {
         const __m256i a = broadcast_word(act[m].q + b * QK + 4 * j);
         const __m256i pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w));
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(pairs, ones));
+        isum[m][j / 4] = _mm256_add_epi32(isum[m][j / 4], _mm256_madd_epi16(pairs, ones));
       }
     }
-    const __m256 dw = halves8(sg + b * ROWS);
-    for (int m = 0; m < MT; m++)
-      acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(act[m].d[b])), _mm256_cvtepi32_ps(isum[m]), acc[m]);
+    if (kHalves) {
+      for (int h = 0; h < 2; h++) {
+        const __m256 dw = halves8(sg + (2 * b + h) * ROWS);
+        for (int m = 0; m < MT; m++)
+          acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(act[m].d[b])), _mm256_cvtepi32_ps(isum[m][h]), acc[m]);
+      }
+    } else {
+      const __m256 dw = halves8(sg + b * ROWS);
+      for (int m = 0; m < MT; m++) {
+        const __m256i total = _mm256_add_epi32(isum[m][0], isum[m][1]);  // integers: the same sum in any order
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(act[m].d[b])), _mm256_cvtepi32_ps(total), acc[m]);
+      }
+    }
   }
   for (int m = 0; m < MT; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
@@ -111,31 +122,36 @@ LK_AVX2 void gemv_q4(const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, const
   }
 }
 
-}  // namespace
-
-LK_GEMV_Q8_0(gemv_q8_0_avx2) {
+template <bool kHalves>
+LK_AVX2 void gemv_q8(const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, const ActRow* act,
+                     int64_t M, float* y, int64_t out_features) {
   float tile[MAX_TILE][ROWS];
   for (int64_t g = g0; g < g1; g++) {
     const int8_t* wg = w + g * nb * Q8_BLOCK_BYTES;
-    const uint16_t* sg = scales + g * nb * ROWS;
+    const uint16_t* sg = scales + g * nb * ROWS * (kHalves ? 2 : 1);
     for (int64_t m = 0; m < M; m += MAX_TILE) {
       const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
       switch (mt) {
-        case 1: q8_0_group<1>(wg, sg, nb, act + m, tile); break;
-        case 2: q8_0_group<2>(wg, sg, nb, act + m, tile); break;
-        case 3: q8_0_group<3>(wg, sg, nb, act + m, tile); break;
-        default: q8_0_group<4>(wg, sg, nb, act + m, tile); break;
+        case 1: q8_0_group<1, kHalves>(wg, sg, nb, act + m, tile); break;
+        case 2: q8_0_group<2, kHalves>(wg, sg, nb, act + m, tile); break;
+        case 3: q8_0_group<3, kHalves>(wg, sg, nb, act + m, tile); break;
+        default: q8_0_group<4, kHalves>(wg, sg, nb, act + m, tile); break;
       }
       for (int64_t i = 0; i < mt; i++) store_rows(tile[i], ROWS, y + (m + i) * out_features, g * ROWS, out_features);
     }
   }
 }
 
+}  // namespace
+
+LK_GEMV_Q8_0(gemv_q8_0_avx2) { gemv_q8<false>(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_avx2) { gemv_q8<true>(w, scales, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_0_avx2) { gemv_q4<false>(w, nb, u0, u1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_1_avx2) { gemv_q4<true>(w, nb, u0, u1, act, M, y, out_features); }
 
 #else
 LK_GEMV_Q8_0(gemv_q8_0_avx2) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_avx2) { gemv_q8_16_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_0_avx2) { gemv_q4_0_scalar(w, nb, u0, u1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_1_avx2) { gemv_q4_1_scalar(w, nb, u0, u1, act, M, y, out_features); }
 #endif

@@ -30,7 +30,16 @@ float half_to_float(uint16_t h) {
   return f;
 }
 
-LK_GEMV_Q8_0(gemv_q8_0_scalar) {
+namespace {
+
+// Scale of row r of group g, block b (and half h, in groups of 16).
+inline float q8_scale(const uint16_t* scales, int64_t nb, int64_t g, int64_t b, int h, int r, bool halves) {
+  return half_to_float(scales[((g * nb + b) * (halves ? 2 : 1) + h) * ROWS + r]);
+}
+
+template <bool kHalves>
+void gemv_q8(const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, const ActRow* act,
+             int64_t M, float* y, int64_t out_features) {
   for (int64_t g = g0; g < g1; g++) {
     for (int64_t m = 0; m < M; m++) {
       float acc[ROWS] = {};
@@ -38,17 +47,26 @@ LK_GEMV_Q8_0(gemv_q8_0_scalar) {
         const int8_t* wb = w + (g * nb + b) * Q8_BLOCK_BYTES;
         const int8_t* a = act[m].q + b * QK;
         for (int r = 0; r < ROWS; r++) {
-          int32_t isum = 0;
+          int32_t isum[2] = {};  // columns 0-15 and 16-31
           for (int j = 0; j < QK / 4; j++)
-            for (int c = 0; c < 4; c++) isum += int32_t(wb[(j * ROWS + r) * 4 + c]) * a[4 * j + c];
-          const float scale = half_to_float(scales[(g * nb + b) * ROWS + r]) * act[m].d[b];
-          acc[r] = std::fma(scale, float(isum), acc[r]);
+            for (int c = 0; c < 4; c++) isum[j / 4] += int32_t(wb[(j * ROWS + r) * 4 + c]) * a[4 * j + c];
+          if (kHalves) {
+            for (int h = 0; h < 2; h++)
+              acc[r] = std::fma(q8_scale(scales, nb, g, b, h, r, true) * act[m].d[b], float(isum[h]), acc[r]);
+          } else {
+            acc[r] = std::fma(q8_scale(scales, nb, g, b, 0, r, false) * act[m].d[b], float(isum[0] + isum[1]), acc[r]);
+          }
         }
       }
       store_rows(acc, ROWS, y + m * out_features, g * ROWS, out_features);
     }
   }
 }
+
+}  // namespace
+
+LK_GEMV_Q8_0(gemv_q8_0_scalar) { gemv_q8<false>(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_scalar) { gemv_q8<true>(w, scales, nb, g0, g1, act, M, y, out_features); }
 
 namespace {
 
@@ -103,15 +121,16 @@ void gemv_q4(const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, const ActRow*
 LK_GEMV_Q4(gemv_q4_0_scalar) { gemv_q4<false>(w, nb, u0, u1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_1_scalar) { gemv_q4<true>(w, nb, u0, u1, act, M, y, out_features); }
 
-void dequantize_q8_0(const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, float* out) {
+void dequantize_q8_0(bool halves, const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, float* out) {
   const int64_t K = nb * QK;
   for (int64_t g = g0; g < g1; g++)
     for (int64_t b = 0; b < nb; b++)
       for (int r = 0; r < ROWS; r++) {
-        const float d = half_to_float(scales[(g * nb + b) * ROWS + r]);
         float* row = out + ((g - g0) * ROWS + r) * K + b * QK;
-        for (int j = 0; j < QK / 4; j++)
+        for (int j = 0; j < QK / 4; j++) {
+          const float d = q8_scale(scales, nb, g, b, halves ? j / 4 : 0, r, halves);
           for (int c = 0; c < 4; c++) row[4 * j + c] = float(w[((g * nb + b) * QK / 4 + j) * ROWS * 4 + r * 4 + c]) * d;
+        }
       }
 }
 

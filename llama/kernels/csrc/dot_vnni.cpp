@@ -26,7 +26,9 @@ namespace emulated {
 #define LK_Q8_GROUP q8_0_group
 #define LK_Q4_HALF q4_half
 #define LK_Q4_UNITS q4_units
+#define LK_Q8_GROUPS q8_groups
 #define LK_Q8_GEMV gemv_q8_0
+#define LK_Q8_16_GEMV gemv_q8_16
 #define LK_Q4_0_GEMV gemv_q4_0
 #define LK_Q4_1_GEMV gemv_q4_1
 #include "vnni256.inc"
@@ -35,7 +37,9 @@ namespace emulated {
 #undef LK_Q8_GROUP
 #undef LK_Q4_HALF
 #undef LK_Q4_UNITS
+#undef LK_Q8_GROUPS
 #undef LK_Q8_GEMV
+#undef LK_Q8_16_GEMV
 #undef LK_Q4_0_GEMV
 #undef LK_Q4_1_GEMV
 }  // namespace emulated
@@ -46,7 +50,9 @@ namespace avxvnni {
 #define LK_Q8_GROUP q8_0_group
 #define LK_Q4_HALF q4_half
 #define LK_Q4_UNITS q4_units
+#define LK_Q8_GROUPS q8_groups
 #define LK_Q8_GEMV gemv_q8_0
+#define LK_Q8_16_GEMV gemv_q8_16
 #define LK_Q4_0_GEMV gemv_q4_0
 #define LK_Q4_1_GEMV gemv_q4_1
 #include "vnni256.inc"
@@ -55,15 +61,19 @@ namespace avxvnni {
 #undef LK_Q8_GROUP
 #undef LK_Q4_HALF
 #undef LK_Q4_UNITS
+#undef LK_Q8_GROUPS
 #undef LK_Q8_GEMV
+#undef LK_Q8_16_GEMV
 #undef LK_Q4_0_GEMV
 #undef LK_Q4_1_GEMV
 }  // namespace avxvnni
 
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated) { emulated::gemv_q8_0(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_avxvnni_emulated) { emulated::gemv_q8_16(w, scales, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_0_avxvnni_emulated) { emulated::gemv_q4_0(w, nb, u0, u1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_1_avxvnni_emulated) { emulated::gemv_q4_1(w, nb, u0, u1, act, M, y, out_features); }
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni) { avxvnni::gemv_q8_0(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_avxvnni) { avxvnni::gemv_q8_16(w, scales, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_0_avxvnni) { avxvnni::gemv_q4_0(w, nb, u0, u1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_1_avxvnni) { avxvnni::gemv_q4_1(w, nb, u0, u1, act, M, y, out_features); }
 
@@ -82,7 +92,9 @@ LK_AVX512VNNI inline __m512 two_groups_halves(const uint16_t* first, const uint1
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
-template <int MT>
+// kHalves: int8 in groups of 16 (scales[g][b][half][r]), each half of a block scaled apart, with its own
+// correction of 128 * the half's sum of activations.
+template <int MT, bool kHalves>
 LK_AVX512VNNI void q8_0_pair(const int8_t* w0, const int8_t* w1, const uint16_t* s0, const uint16_t* s1, int64_t nb,
                              const ActRow* act, float (*out)[2 * ROWS]) {
   __m512 acc[MT];
@@ -90,24 +102,36 @@ LK_AVX512VNNI void q8_0_pair(const int8_t* w0, const int8_t* w1, const uint16_t*
   const __m512i flip = _mm512_set1_epi8(char(0x80));
   for (int64_t b = 0; b < nb; b++) {
     const int64_t at = b * Q8_BLOCK_BYTES;
-    __m512i isum[MT], odd[MT];  // two chains of vpdpbusd, even and odd j: one waits on its latency at one row
-    for (int m = 0; m < MT; m++) isum[m] = odd[m] = _mm512_setzero_si512();
-    for (int j = 0; j < QK / 4; j += 2) {
+    // Two chains of vpdpbusd, columns 0-15 (runs 0-3) and 16-31 (runs 4-7): one waits on its latency at one row.
+    __m512i lo[MT], hi[MT];
+    for (int m = 0; m < MT; m++) lo[m] = hi[m] = _mm512_setzero_si512();
+    for (int j = 0; j < QK / 8; j++) {
       const __m512i u = _mm512_xor_si512(two_groups(w0 + at + 32 * j, w1 ? w1 + at + 32 * j : nullptr), flip);
-      const __m512i u1 = _mm512_xor_si512(two_groups(w0 + at + 32 * j + 32, w1 ? w1 + at + 32 * j + 32 : nullptr), flip);
+      const __m512i u1 = _mm512_xor_si512(two_groups(w0 + at + 32 * j + 128, w1 ? w1 + at + 32 * j + 128 : nullptr), flip);
       for (int m = 0; m < MT; m++) {
         int32_t word, word1;
         std::memcpy(&word, act[m].q + b * QK + 4 * j, 4);
-        std::memcpy(&word1, act[m].q + b * QK + 4 * j + 4, 4);
-        isum[m] = _mm512_dpbusd_epi32(isum[m], u, _mm512_set1_epi32(word));
-        odd[m] = _mm512_dpbusd_epi32(odd[m], u1, _mm512_set1_epi32(word1));
+        std::memcpy(&word1, act[m].q + b * QK + 4 * j + QK / 2, 4);
+        lo[m] = _mm512_dpbusd_epi32(lo[m], u, _mm512_set1_epi32(word));
+        hi[m] = _mm512_dpbusd_epi32(hi[m], u1, _mm512_set1_epi32(word1));
       }
     }
-    for (int m = 0; m < MT; m++) isum[m] = _mm512_add_epi32(isum[m], odd[m]);  // integers: the same sum in any order
-    const __m512 dw = two_groups_halves(s0 + b * ROWS, s1 ? s1 + b * ROWS : nullptr);
-    for (int m = 0; m < MT; m++) {
-      const __m512i exact = _mm512_sub_epi32(isum[m], _mm512_set1_epi32(128 * act[m].sum[b]));
-      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[b])), _mm512_cvtepi32_ps(exact), acc[m]);
+    if (kHalves) {
+      for (int h = 0; h < 2; h++) {
+        const __m512 dw = two_groups_halves(s0 + (2 * b + h) * ROWS, s1 ? s1 + (2 * b + h) * ROWS : nullptr);
+        for (int m = 0; m < MT; m++) {
+          const int32_t half_sum = h == 0 ? act[m].sum16[b] : act[m].sum[b] - act[m].sum16[b];
+          const __m512i exact = _mm512_sub_epi32(h == 0 ? lo[m] : hi[m], _mm512_set1_epi32(128 * half_sum));
+          acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[b])), _mm512_cvtepi32_ps(exact), acc[m]);
+        }
+      }
+    } else {
+      const __m512 dw = two_groups_halves(s0 + b * ROWS, s1 ? s1 + b * ROWS : nullptr);
+      for (int m = 0; m < MT; m++) {
+        const __m512i total = _mm512_add_epi32(lo[m], hi[m]);  // integers: the same sum in any order
+        const __m512i exact = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * act[m].sum[b]));
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(act[m].d[b])), _mm512_cvtepi32_ps(exact), acc[m]);
+      }
     }
   }
   for (int m = 0; m < MT; m++) _mm512_storeu_ps(out[m], acc[m]);
@@ -173,21 +197,24 @@ LK_AVX512VNNI void gemv_q4(const uint8_t* w, int64_t nb, int64_t u0, int64_t u1,
 
 }  // namespace
 
-LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) {
+template <bool kHalves>
+LK_AVX512VNNI void gemv_q8(const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1,
+                           const ActRow* act, int64_t M, float* y, int64_t out_features) {
+  const int64_t group_scales = nb * ROWS * (kHalves ? 2 : 1);
   float tile[MAX_TILE][2 * ROWS];
   for (int64_t g = g0; g < g1; g += 2) {
     const bool pair = g + 1 < g1;
     const int8_t* w0 = w + g * nb * Q8_BLOCK_BYTES;
     const int8_t* w1 = pair ? w0 + nb * Q8_BLOCK_BYTES : nullptr;
-    const uint16_t* s0 = scales + g * nb * ROWS;
-    const uint16_t* s1 = pair ? s0 + nb * ROWS : nullptr;
+    const uint16_t* s0 = scales + g * group_scales;
+    const uint16_t* s1 = pair ? s0 + group_scales : nullptr;
     for (int64_t m = 0; m < M; m += MAX_TILE) {
       const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
       switch (mt) {
-        case 1: q8_0_pair<1>(w0, w1, s0, s1, nb, act + m, tile); break;
-        case 2: q8_0_pair<2>(w0, w1, s0, s1, nb, act + m, tile); break;
-        case 3: q8_0_pair<3>(w0, w1, s0, s1, nb, act + m, tile); break;
-        default: q8_0_pair<4>(w0, w1, s0, s1, nb, act + m, tile); break;
+        case 1: q8_0_pair<1, kHalves>(w0, w1, s0, s1, nb, act + m, tile); break;
+        case 2: q8_0_pair<2, kHalves>(w0, w1, s0, s1, nb, act + m, tile); break;
+        case 3: q8_0_pair<3, kHalves>(w0, w1, s0, s1, nb, act + m, tile); break;
+        default: q8_0_pair<4, kHalves>(w0, w1, s0, s1, nb, act + m, tile); break;
       }
       for (int64_t i = 0; i < mt; i++)
         store_rows(tile[i], pair ? 2 * ROWS : ROWS, y + (m + i) * out_features, g * ROWS, out_features);
@@ -195,6 +222,8 @@ LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) {
   }
 }
 
+LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) { gemv_q8<false>(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_avx512vnni) { gemv_q8<true>(w, scales, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_0_avx512vnni) { gemv_q4<false>(w, nb, u0, u1, act, M, y, out_features); }
 LK_GEMV_Q4(gemv_q4_1_avx512vnni) { gemv_q4<true>(w, nb, u0, u1, act, M, y, out_features); }
 
@@ -202,6 +231,9 @@ LK_GEMV_Q4(gemv_q4_1_avx512vnni) { gemv_q4<true>(w, nb, u0, u1, act, M, y, out_f
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
 LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) { gemv_q8_0_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_avxvnni_emulated) { gemv_q8_16_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_avxvnni) { gemv_q8_16_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
+LK_GEMV_Q8_0(gemv_q8_16_avx512vnni) { gemv_q8_16_scalar(w, scales, nb, g0, g1, act, M, y, out_features); }
 #define LK_SCALAR_Q4(path)                                                                                   \
   LK_GEMV_Q4(gemv_q4_0_##path) { gemv_q4_0_scalar(w, nb, u0, u1, act, M, y, out_features); } \
   LK_GEMV_Q4(gemv_q4_1_##path) { gemv_q4_1_scalar(w, nb, u0, u1, act, M, y, out_features); }

@@ -20,6 +20,8 @@
 //
 //     int8:  weight[g][b][j][r][c]   = q[8g + r][32b + 4j + c]      j < 8, r < 8, c < 4   (256 bytes a block)
 //            scales[g][b][r]         = float16 scale of row 8g + r, block b
+//            (in groups of 16, a GGUF's Q6_K: scales[g][b][half][r], half 0 for columns 0-15 of the block,
+//             each half's products scaled apart: y = sum_b sum_half (dw * da) * isum_half)
 //     int4:  unit u, block b, 288 bytes (Q4_0) or 320 (Q4_1), row R = 16u + 8h + r:
 //            bytes 64p + 32h + 4r + c = q[R][32b + 4p + c] | q[R][32b + 16 + 4p + c] << 4    p < 4, h < 2
 //            bytes 256 + 2(8h + r)    = float16 scale of row R, block b
@@ -60,6 +62,7 @@ struct ActRow {
   const float* d;
   const int32_t* sum;  // Q4_0 takes 8 * sum off; the VNNI paths' int8 kernel 128 * sum (it multiplies w + 128)
   const float* s;      // d * sum, which the Q4_1 kernel multiplies by each block's minimum
+  const int32_t* sum16;  // the sum of each block's first 16 values: the groups-of-16 kernel's VNNI correction
 };
 
 void quantize_row_f32(int path, const float* x, int64_t K, int8_t* q, float* d, int32_t* sum, float* s);
@@ -78,6 +81,12 @@ LK_GEMV_Q8_0(gemv_q8_0_avx2);
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated);
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni);
 LK_GEMV_Q8_0(gemv_q8_0_avx512vnni);
+// int8 in groups of 16 (two scales a block, scales[g][b][half][r]): the same signature.
+LK_GEMV_Q8_0(gemv_q8_16_scalar);
+LK_GEMV_Q8_0(gemv_q8_16_avx2);
+LK_GEMV_Q8_0(gemv_q8_16_avxvnni_emulated);
+LK_GEMV_Q8_0(gemv_q8_16_avxvnni);
+LK_GEMV_Q8_0(gemv_q8_16_avx512vnni);
 #define LK_DECLARE_Q4(path) LK_GEMV_Q4(gemv_q4_0_##path); LK_GEMV_Q4(gemv_q4_1_##path);
 LK_DECLARE_Q4(scalar)
 LK_DECLARE_Q4(avx2)
@@ -95,7 +104,7 @@ inline void store_rows(const float* acc, int n, float* y, int64_t first_row, int
 }
 
 // The float32 weight of groups g0 <= g < g1 (units u0 <= u < u1) as (rows, K), for the products with many rows.
-void dequantize_q8_0(const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, float* out);
+void dequantize_q8_0(bool halves, const int8_t* w, const uint16_t* scales, int64_t nb, int64_t g0, int64_t g1, float* out);
 void dequantize_q4(bool has_mins, const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, float* out);
 
 float half_to_float(uint16_t h);

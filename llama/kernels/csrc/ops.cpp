@@ -4,11 +4,12 @@
 //
 //   quantize_activations(x) -> (q, d, sum)               x (M, K) float32 / bf16: int8 blocks, for the tests
 //   q8_0_linear(x, weight, scales, out_features)          int8 blocks of 32 (Q8_0)
+//   q8_16_linear(x, weight, scales, out_features)         int8 in groups of 16, two scales a block (Q6_K's)
 //   q4_0_linear(x, weight, out_features)                  int4 blocks of 32 with a scale (Q4_0), scales inside
 //   q4_1_linear(x, weight, out_features)                  int4 blocks of 32 with a minimum too (Q4_1)
 //   f32_linear(x, weight)                                 float32 x times a row-major float32 weight, for a
 //                                                        few rows (f32_rows.cpp)
-//   dequantize_q8_0 / _q4_0 / _q4_1(...)                 the float32 (out, K) weight
+//   dequantize_q8_0 / _q8_16 / _q4_0 / _q4_1(...)         the float32 (out, K) weight
 //   cpu_paths()                                          the paths this CPU runs, as numbers (kernels.h)
 //   set_options(path, gemm_min_rows)                     force a path (-1: the best) and where products
 //                                                        switch to dequantize-then-GEMM; returns the old ones
@@ -92,7 +93,7 @@ int active_path() {
 }
 
 struct Activations {
-  at::Tensor q, d, sum, s;
+  at::Tensor q, d, sum, s, sum16;
   std::vector<ActRow> rows;
 };
 
@@ -119,8 +120,24 @@ Activations quantize(const at::Tensor& x, int path) {
     }
   });
   a.rows.resize(M);
-  for (int64_t m = 0; m < M; m++) a.rows[m] = {q + m * K, d + m * nb, sum + m * nb, s + m * nb};
+  for (int64_t m = 0; m < M; m++) a.rows[m] = {q + m * K, d + m * nb, sum + m * nb, s + m * nb, nullptr};
   return a;
+}
+
+// Each block's sum of its first 16 values, which the groups-of-16 kernels take 128 times off the first half.
+void add_half_sums(Activations& a) {
+  const int64_t M = a.q.size(0), K = a.q.size(1), nb = K / QK;
+  a.sum16 = at::empty({M, nb}, a.sum.options());
+  int32_t* out = a.sum16.data_ptr<int32_t>();
+  const int8_t* q = a.q.data_ptr<int8_t>();
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < nb; b++) {
+      int32_t total = 0;
+      for (int i = 0; i < QK / 2; i++) total += q[m * K + b * QK + i];
+      out[m * nb + b] = total;
+    }
+    a.rows[m].sum16 = out + m * nb;
+  }
 }
 
 // x as (M, K), contiguous, with K a whole number of blocks.
@@ -133,16 +150,18 @@ at::Tensor rows_of(const at::Tensor& x, const char* op) {
   return x.reshape({-1, x.size(-1)}).contiguous();
 }
 
-// int8 weights: (groups, K / 32, 256) int8 and (groups, K / 32, 8) float16 scales.
-void check_q8_weight(const at::Tensor& weight, const at::Tensor& scales, int64_t K, int64_t out_features, const char* op) {
+// int8 weights: (groups, K / 32, 256) int8 and float16 scales, (groups, K / 32, 8), or in groups of 16
+// (groups, K / 32, 2, 8).
+void check_q8_weight(const at::Tensor& weight, const at::Tensor& scales, int64_t K, int64_t out_features, bool halves,
+                     const char* op) {
   const int64_t groups = (out_features + ROWS - 1) / ROWS, nb = K / QK;
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() &&
                   weight.sizes() == at::IntArrayRef({groups, nb, Q8_BLOCK_BYTES}),
               op, ": weight must be contiguous int8 of shape (", groups, ", ", nb, ", ", Q8_BLOCK_BYTES, "), not ",
               weight.scalar_type(), " ", weight.sizes());
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({groups, nb, ROWS}),
-              op, ": scales must be contiguous float16 of shape (", groups, ", ", nb, ", ", ROWS, ")");
+  const std::vector<int64_t> want = halves ? std::vector<int64_t>{groups, nb, 2, ROWS} : std::vector<int64_t>{groups, nb, ROWS};
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.sizes() == at::IntArrayRef(want),
+              op, ": scales must be contiguous float16 of shape ", at::IntArrayRef(want), ", not ", scales.sizes());
 }
 
 at::Tensor output_like(const at::Tensor& x, const at::Tensor& y) {
@@ -175,33 +194,42 @@ at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, int64_t g
   return y;
 }
 
-at::Tensor q8_0_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
-  const at::Tensor x = rows_of(x_in, "q8_0_linear");
+at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features,
+                     bool halves) {
+  const char* op = halves ? "q8_16_linear" : "q8_0_linear";
+  const at::Tensor x = rows_of(x_in, op);
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
-  check_q8_weight(weight, scales, K, out_features, "q8_0_linear");
+  check_q8_weight(weight, scales, K, out_features, halves, op);
   const int path = active_path();
-  const Activations a = quantize(x, path);
+  Activations a = quantize(x, path);
+  if (halves) add_half_sums(a);
   const int8_t* w = weight.data_ptr<int8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (M >= gemm_min_rows.load()) {
     return output_like(x_in, gemm(a, K, out_features, nb * Q8_BLOCK_BYTES, ROWS, [&](int64_t g0, int64_t g1, float* out) {
-      dequantize_q8_0(w, sc, nb, g0, g1, out);
+      dequantize_q8_0(halves, w, sc, nb, g0, g1, out);
     }));
   }
   at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const ActRow* rows = a.rows.data();
-  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / (nb * Q8_BLOCK_BYTES));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    switch (path) {
-      case kAvx512Vnni: gemv_q8_0_avx512vnni(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
-      case kAvxVnni: gemv_q8_0_avxvnni(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
-      case kAvxVnniEmulated: gemv_q8_0_avxvnni_emulated(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
-      case kAvx2: gemv_q8_0_avx2(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
-      default: gemv_q8_0_scalar(w, sc, nb, g0, g1, rows, M, yp, out_features); break;
-    }
-  });
+  using Gemv = void (*)(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const ActRow*, int64_t, float*, int64_t);
+  static const Gemv q8_0[kNumPaths] = {gemv_q8_0_scalar, gemv_q8_0_avx2, gemv_q8_0_avxvnni_emulated,
+                                       gemv_q8_0_avxvnni, gemv_q8_0_avx512vnni};
+  static const Gemv q8_16[kNumPaths] = {gemv_q8_16_scalar, gemv_q8_16_avx2, gemv_q8_16_avxvnni_emulated,
+                                        gemv_q8_16_avxvnni, gemv_q8_16_avx512vnni};
+  const Gemv gemv = (halves ? q8_16 : q8_0)[path];
+  at::parallel_for(0, groups, std::max<int64_t>(1, kMinBytesPerTask / (nb * Q8_BLOCK_BYTES)),
+                   [&](int64_t g0, int64_t g1) { gemv(w, sc, nb, g0, g1, rows, M, yp, out_features); });
   return output_like(x_in, y);
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
+  return q8_linear(x, weight, scales, out_features, false);
+}
+
+at::Tensor q8_16_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
+  return q8_linear(x, weight, scales, out_features, true);
 }
 
 // int4 weights: (units, K / 32, block_bytes) uint8, one unit's blocks of values and scales (kernels.h).
@@ -283,13 +311,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Te
   return {a.q, a.d, a.sum};
 }
 
-at::Tensor dequantize_q8_0_op(const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
+at::Tensor dequantize_q8_op(const at::Tensor& weight, const at::Tensor& scales, int64_t out_features, bool halves) {
   const int64_t nb = weight.size(1), K = nb * QK, groups = weight.size(0);
-  check_q8_weight(weight, scales, K, out_features, "dequantize_q8_0");
+  check_q8_weight(weight, scales, K, out_features, halves, halves ? "dequantize_q8_16" : "dequantize_q8_0");
   at::Tensor out = at::empty({groups * ROWS, K}, weight.options().dtype(at::kFloat));
-  dequantize_q8_0(weight.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), nb, 0,
-                  groups, out.data_ptr<float>());
+  dequantize_q8_0(halves, weight.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), nb,
+                  0, groups, out.data_ptr<float>());
   return out.narrow(0, 0, out_features);
+}
+
+at::Tensor dequantize_q8_0_op(const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
+  return dequantize_q8_op(weight, scales, out_features, false);
+}
+
+at::Tensor dequantize_q8_16_op(const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
+  return dequantize_q8_op(weight, scales, out_features, true);
 }
 
 at::Tensor dequantize_q4_op(const at::Tensor& weight, int64_t out_features, bool has_mins) {
@@ -345,10 +381,12 @@ bool cpu_supports(int path) {
 TORCH_LIBRARY(llama_kv, m) {
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("q8_0_linear(Tensor x, Tensor weight, Tensor scales, int out_features) -> Tensor");
+  m.def("q8_16_linear(Tensor x, Tensor weight, Tensor scales, int out_features) -> Tensor");
   m.def("q4_0_linear(Tensor x, Tensor weight, int out_features) -> Tensor");
   m.def("q4_1_linear(Tensor x, Tensor weight, int out_features) -> Tensor");
   m.def("f32_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("dequantize_q8_0(Tensor weight, Tensor scales, int out_features) -> Tensor");
+  m.def("dequantize_q8_16(Tensor weight, Tensor scales, int out_features) -> Tensor");
   m.def("dequantize_q4_0(Tensor weight, int out_features) -> Tensor");
   m.def("dequantize_q4_1(Tensor weight, int out_features) -> Tensor");
   m.def("cpu_paths() -> int[]", &cpu_paths);
@@ -359,10 +397,12 @@ TORCH_LIBRARY(llama_kv, m) {
 TORCH_LIBRARY_IMPL(llama_kv, CPU, m) {
   m.impl("quantize_activations", &quantize_activations);
   m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("q8_16_linear", &q8_16_linear);
   m.impl("q4_0_linear", &q4_0_linear);
   m.impl("q4_1_linear", &q4_1_linear);
   m.impl("f32_linear", &f32_linear);
   m.impl("dequantize_q8_0", &dequantize_q8_0_op);
+  m.impl("dequantize_q8_16", &dequantize_q8_16_op);
   m.impl("dequantize_q4_0", &dequantize_q4_0_op);
   m.impl("dequantize_q4_1", &dequantize_q4_1_op);
 }
