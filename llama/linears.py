@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama.kernels import loaded as kernels_loaded  # loaded by the compiled step where they can be (llama/compile.py)
+from llama.pages import return_free_memory
 from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, dequantize_values, pack_int4, unpack_int4
 
 # Up to this many rows (batch x tokens fed), a compiled CPU step computes a linear layer as a reduction,
@@ -434,10 +435,13 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
     kernels (llama/row_attention.py).
     """
     dtype = model.dtype
-    for parent in list(model.modules()):
-        for name, layer in list(parent.named_children()):
-            if not isinstance(layer, (nn.Linear, QuantizedLinear)):
-                continue
+    linear = (nn.Linear, QuantizedLinear)
+    # The parents only: a list of every module would hold each old layer until the end, the model twice.
+    parents = [m for m in model.modules() if any(isinstance(c, linear) for c in m.children())]
+    for parent in parents:
+        huge = False
+        for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
+            layer = getattr(parent, name)
             cls = layer_class(layer, dtype, compiled, kernels, integer)
             if type(layer) is cls:
                 continue
@@ -447,6 +451,12 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
             new = cls.from_layer(layer, dtype)
             new._forward_hooks.update(layer._forward_hooks)
             setattr(parent, name, new)
+            huge = huge or getattr(cls, "_huge_pages", False)
+        layer = new = None
+        if huge:
+            # The new layers live in mappings of their own (2 MiB pages), where the old ones' freed heap memory
+            # is not reused: hand it back now.
+            return_free_memory()
     _choose_attention(model)
     return model
 

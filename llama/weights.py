@@ -218,6 +218,7 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
     # Re-packing replaces a stored weight; holding the old ones here would keep the model twice.
     stored = [(n.removesuffix(".weight"), state[n]) for n in source.stored_plan]
     state.clear()
+    layers = None  # nor the old layers, which choose_layer_classes frees one parent at a time
     choose_layer_classes(model, compiled, integer=integer)
     layers = dict(model.named_modules())
     for name, tensor in stored:
