@@ -59,7 +59,8 @@ def huge_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     if _libc is None or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous, private; freed with the tensor that holds it
+    # Private: a shared anonymous mapping is shmem, whose huge pages follow another switch ("never" by default).
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # freed with the tensor
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -whole.data_ptr() % HUGE_PAGE
     _libc.madvise(ctypes.c_void_p(whole.data_ptr() + offset), ctypes.c_size_t(nbytes - nbytes % HUGE_PAGE),
