@@ -36,16 +36,11 @@ def _row_slices(layer: QuantizedLinear, step: int = kernels.ROWS):
     return [(start, min(start + rows, layer.out_features)) for start in range(0, layer.out_features, rows)]
 
 
-def _filled(new: QuantizedLinear, names, slices, step: int, pack, huge: bool = False) -> None:
+def _filled(new: QuantizedLinear, names, slices, step: int, pack) -> None:
     """Give `new` its buffers `names` (registered on the meta device with their final shapes), re-packed a slice of
-    rows at a time: `pack(start, end)` gives the slice's pieces, one per name. `huge`: in memory that asks for
-    2 MiB pages (llama/pages.py), allocated first and filled as the slices come, so that one slice's pieces are
-    alive at a time beside it; otherwise the pieces joined (a layer of one slice keeps its pieces as they are)."""
-    if not huge:
-        pieces = [pack(start, end) for start, end in slices]
-        for name, *parts in zip(names, *pieces):
-            setattr(new, name, torch.cat(parts) if len(parts) > 1 else parts[0])
-        return
+    rows at a time: `pack(start, end)` gives the slice's pieces, one per name. The buffers ask for 2 MiB pages
+    (llama/pages.py: 7B-shaped layers streamed at 32 against 28 GB/s for int8, 28 against 21 for int4, from
+    4 KiB ones) and are allocated first, then filled as the slices come: one slice's pieces alive at a time."""
     buffers = {name: huge_empty(getattr(new, name).shape, getattr(new, name).dtype) for name in names}
     for start, end in slices:
         for name, piece in zip(names, pack(start, end)):
@@ -59,9 +54,6 @@ class _DotLinear(QuantizedLinear):
 
     integer_kernels = True  # llama.linears.layer_class keeps such a layer on the kernels
     _rows = kernels.ROWS  # rows interleaved in a group (unit)
-    # In 2 MiB pages (llama/pages.py): 7B-shaped layers streamed at 32 against 28 GB/s (int8) and 28 against 21
-    # (int4) from 4 KiB ones.
-    _huge_pages = True
 
     @classmethod
     def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "_DotLinear":
@@ -73,7 +65,7 @@ class _DotLinear(QuantizedLinear):
             # (Scales come from float16, whatever dtype a loader handed them in: back to it exactly.)
             return cls._pack(values, *(s.to(SCALE_DTYPE).repeat_interleave(repeat, dim=1) for s in scales))
 
-        _filled(new, cls._buffers_held, _row_slices(layer, cls._rows), cls._rows, pack, cls._huge_pages)
+        _filled(new, cls._buffers_held, _row_slices(layer, cls._rows), cls._rows, pack)
         return new
 
     def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
@@ -96,12 +88,14 @@ class Int8DotLinear(_DotLinear):
     _buffers_held = ("weight", "scales")
     _pack = staticmethod(layout.pack_q8_0)
     _unpack = staticmethod(layout.unpack_q8_0)
+    _scales_per_block = ()  # one scale a block and row; (2,): one for each half
 
     def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = None):
         super().__init__(in_features, out_features, None if group_size in (None, in_features) else group_size)
         shape = (layout.groups(out_features), in_features // kernels.QK)
         self.register_buffer("weight", torch.empty(*shape, kernels.ROWS * kernels.QK, dtype=torch.int8, device="meta"))
-        self.register_buffer("scales", torch.empty(*shape, kernels.ROWS, dtype=torch.float16, device="meta"))
+        self.register_buffer("scales", torch.empty(*shape, *self._scales_per_block, kernels.ROWS, dtype=SCALE_DTYPE,
+                                                   device="meta"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llama_kv.q8_0_linear(x, self.weight, self.scales, self.out_features)
@@ -172,28 +166,20 @@ def _minimums_are_minus_8_scales(layer: QuantizedLinear) -> bool:
     return all(torch.equal(m.float(), s.float() * -8) for s, m in pairs)
 
 
-class Int8SixteensDotLinear(_DotLinear):
+class Int8SixteensDotLinear(Int8DotLinear):
     """int8 in groups of 16 columns (what a GGUF's Q6_K becomes, llama.cpp's default output layer for Q4_0): Q8_0's
     blocks of 32 with a float16 scale for each half, 8 rows interleaved; multiplied by
     `torch.ops.llama_kv.q8_16_linear`, which sums each half's integer products apart and scales them apart."""
 
-    method = "int8"
-    _buffers_held = ("weight", "scales")
     _pack = staticmethod(layout.pack_q8_16)
     _unpack = staticmethod(layout.unpack_q8_16)
+    _scales_per_block = (2,)
 
     def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = 16):
         super().__init__(in_features, out_features, 16)
-        shape = (layout.groups(out_features), in_features // kernels.QK)
-        self.register_buffer("weight", torch.empty(*shape, kernels.ROWS * kernels.QK, dtype=torch.int8, device="meta"))
-        self.register_buffer("scales", torch.empty(*shape, 2, kernels.ROWS, dtype=SCALE_DTYPE, device="meta"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llama_kv.q8_16_linear(x, self.weight, self.scales, self.out_features)
-
-    def format_tensors(self) -> Dict[str, torch.Tensor]:
-        values, scales = self.format_values()
-        return {"weight": values, "scales": scales}
 
     def _dequantize(self) -> torch.Tensor:
         return torch.ops.llama_kv.dequantize_q8_16(self.weight, self.scales, self.out_features)

@@ -439,7 +439,7 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
     # The parents only: a list of every module would hold each old layer until the end, the model twice.
     parents = [m for m in model.modules() if any(isinstance(c, linear) for c in m.children())]
     for parent in parents:
-        huge = False
+        repacked = False
         for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
             layer = getattr(parent, name)
             cls = layer_class(layer, dtype, compiled, kernels, integer)
@@ -451,11 +451,11 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
             new = cls.from_layer(layer, dtype)
             new._forward_hooks.update(layer._forward_hooks)
             setattr(parent, name, new)
-            huge = huge or getattr(cls, "_huge_pages", False)
+            repacked = True
         layer = new = None
-        if huge:
-            # The new layers live in mappings of their own (2 MiB pages), where the old ones' freed heap memory
-            # is not reused: hand it back now.
+        if repacked:
+            # Hand the old layers' freed heap memory back now: the integer kernels' new ones live in mappings of
+            # their own (2 MiB pages, llama/pages.py), which would not reuse it.
             return_free_memory()
     _choose_attention(model)
     return model
