@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from llama import kernels
 from llama.errors import first_line
 from llama.files import read_json_object, write_atomically
 from llama.kv_cache import KVCache, PagedKVCache
@@ -261,7 +262,8 @@ class _StoredSteps:
                     meta = {"key": fields, "unsupported": unsupported}  # remembered: no later run exports again
                 else:
                     with step(self.progress, what), \
-                            torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False}):
+                            torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False,
+                                                          "aot_inductor.custom_ops_to_c_shims": kernels.c_shims()}):
                         torch._inductor.aoti_compile_and_package(exported, package_path=str(staging / PACKAGE))
                     meta = {"key": fields, "sha256": _file_digest(staging / PACKAGE),
                             "built": time.strftime("%Y-%m-%d %H:%M:%S")}

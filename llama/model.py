@@ -110,7 +110,9 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
             for rows at positions of their own.
     """
     x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (bsz, seqlen, n_heads, head_dim // 2)
-    freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
+    # Indexed as real numbers: a compiled step would call torch's dispatcher to index a complex tensor.
+    freqs = torch.view_as_real(freqs_cis)
+    freqs = torch.view_as_complex(freqs[None, :, None] if freqs_cis.dim() == 2 else freqs[:, :, None])
     rotated = torch.view_as_real(x_complex * freqs)  # (bsz, seqlen, n_heads, head_dim // 2, 2)
     return rotated.flatten(-2).type_as(x)
 

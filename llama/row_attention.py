@@ -33,7 +33,9 @@ class RowExactRotary(Rotary):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (bsz, seqlen, n_heads, head_dim // 2)
-        freqs = freqs_cis[None, :, None, :] if freqs_cis.dim() == 2 else freqs_cis[:, :, None, :]
-        cos, sin = freqs.real, freqs.imag
+        # Real first: a compiled step would call torch's dispatcher to index a complex tensor (twice a layer).
+        freqs = torch.view_as_real(freqs_cis)  # (..., seqlen, head_dim // 2, 2)
+        freqs = freqs[None, :, None] if freqs_cis.dim() == 2 else freqs[:, :, None]
+        cos, sin = freqs[..., 0], freqs[..., 1]
         rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
         return rotated.flatten(-2).type_as(x)

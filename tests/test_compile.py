@@ -157,6 +157,30 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
     assert [p.name for p in tmp_path.iterdir()] == [entry.name]
 
 
+@pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
+@pytest.mark.parametrize("method, op", [("int8", "q8_0_linear"), ("int4", "q4_1_linear")])
+def test_the_stored_step_calls_the_kernels_directly(gqa_ckpt, tmp_path, monkeypatch, method, op):
+    """The integer kernels and the row-exact attention are called through their C entry points
+    (aoti_torch_cpu_<op>, llama/kernels/csrc/ops.cpp), not boxed through the dispatcher, and give what the eager
+    step gives."""
+    import zipfile
+
+    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    compiled = build(gqa_ckpt, quantize=method, compile=True)
+    (package,) = tmp_path.glob("*/step.pt2")
+    with zipfile.ZipFile(package) as z:
+        (code,) = [z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")]
+    for name in (op, "attention"):  # a call, not only the declaration
+        assert re.search(rf"aoti_torch_cpu_{name}\((?!AtenTensorHandle)", code), name
+    assert "proxy_executor_call_function" not in code
+    eager = build(gqa_ckpt, quantize=method)
+    prompt = [eager.tokenizer.encode("The history of", bos=True, eos=False)]
+    want, want_lp = eager.generate(prompt, 12, temperature=0, ignore_stop=True, logprobs=True)
+    got, got_lp = compiled.generate(prompt, 12, temperature=0, ignore_stop=True, logprobs=True)
+    assert got == want
+    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), rtol=0, atol=1e-4)
+
+
 def test_the_default_leaves_uncached_steps_eager_and_both_flags_are_refused(nonstop_ckpt, tmp_path):
     args = ("--ckpt-dir", nonstop_ckpt, "--prompt", "The history of", "--temperature", "0", "--max-gen-len", "24")
     eager = run("llama-generate", *args, "--no-compile", "--stats")

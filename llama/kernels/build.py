@@ -7,6 +7,7 @@ anew and an unchanged one is loaded in milliseconds. Every instruction path is c
 with function-level targets, and the CPU's flags choose among them when it runs.
 """
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -99,9 +100,14 @@ def build_and_load(progress: Optional[Progress] = None) -> Path:
             with step(or_silent(progress), BUILD_NOTE):
                 load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                      build_directory=str(directory), is_python_module=False, verbose=False)
-            return library  # load() has loaded it
         except Exception as e:  # a compiler's failure comes as RuntimeError, CalledProcessError, OSError ...
             lines = [line for line in str(e).splitlines() if "error" in line.lower()] or str(e).splitlines() or [type(e).__name__]
             raise Unavailable(f"their C++ build failed ({lines[0].strip()[:200]})") from e
+    _export_symbols(library)
     torch.ops.load_library(str(library))
     return library
+
+
+def _export_symbols(library: Path) -> None:
+    """Make the library's C entry points (aoti_torch_cpu_<op>) visible to the compiled steps loaded after it."""
+    ctypes.CDLL(str(library), mode=os.RTLD_NOW | os.RTLD_GLOBAL)

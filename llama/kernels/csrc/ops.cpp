@@ -22,6 +22,7 @@
 // never depends on how many rows came with it; the GEMM stays as an option, to measure again elsewhere.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -92,62 +93,102 @@ int active_path() {
   return p >= 0 ? p : best_path();
 }
 
+// One call's activations rounded to int8 blocks, with each block's scale and sums, held in a buffer of the
+// calling thread's that is kept from call to call: a decode step makes over 200 small products, and four
+// tensors allocated for each cost more than rounding the row.
 struct Activations {
-  at::Tensor q, d, sum, s, sum16;
-  std::vector<ActRow> rows;
+  int64_t M = 0, K = 0;
+  int8_t* q = nullptr;
+  float *d = nullptr, *s = nullptr;
+  int32_t *sum = nullptr, *sum16 = nullptr;
+  const ActRow* rows = nullptr;
 };
 
-Activations quantize(const at::Tensor& x, int path) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+// `bytes` of this thread's scratch, 64-byte aligned; valid until its next call. It keeps its largest size: for a
+// prompt chunk of 512 rows into 7B's widest layer (11,008 columns), 8 MB.
+uint8_t* scratch(size_t bytes) {
+  thread_local std::vector<uint8_t> buffer;
+  if (buffer.size() < bytes + 64) {
+    buffer.clear();
+    buffer.shrink_to_fit();
+    buffer.resize(bytes + 64);
+  }
+  const uintptr_t p = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + ((64 - p % 64) % 64);
+}
+
+// x: M rows of K float32 or bf16 values, contiguous. `half_sums`: also each block's sum of its first 16 values,
+// which the groups-of-16 kernels take 128 times off the first half.
+Activations quantize(const void* x, bool bf16, int64_t M, int64_t K, int path, bool half_sums) {
+  const int64_t nb = K / QK;
+  auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
+  const int64_t q_bytes = up(M * K), blocks = up(M * nb * 4);
+  uint8_t* base = scratch(q_bytes + 4 * blocks);
   Activations a;
-  a.q = at::empty({M, K}, x.options().dtype(at::kChar));
-  a.d = at::empty({M, nb}, x.options().dtype(at::kFloat));
-  a.sum = at::empty({M, nb}, x.options().dtype(at::kInt));
-  a.s = at::empty({M, nb}, x.options().dtype(at::kFloat));
-  int8_t* q = a.q.data_ptr<int8_t>();
-  float *d = a.d.data_ptr<float>(), *s = a.s.data_ptr<float>();
-  int32_t* sum = a.sum.data_ptr<int32_t>();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const void* data = x.data_ptr();
+  a.M = M;
+  a.K = K;
+  a.q = reinterpret_cast<int8_t*>(base);
+  a.d = reinterpret_cast<float*>(base + q_bytes);
+  a.s = reinterpret_cast<float*>(base + q_bytes + blocks);
+  a.sum = reinterpret_cast<int32_t*>(base + q_bytes + 2 * blocks);
+  int8_t* q = a.q;
+  float *d = a.d, *s = a.s;
+  int32_t* sum = a.sum;
   at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m++) {
       if (bf16)
-        quantize_row_bf16(path, static_cast<const uint16_t*>(data) + m * K, K, q + m * K, d + m * nb, sum + m * nb,
+        quantize_row_bf16(path, static_cast<const uint16_t*>(x) + m * K, K, q + m * K, d + m * nb, sum + m * nb,
                           s + m * nb);
       else
-        quantize_row_f32(path, static_cast<const float*>(data) + m * K, K, q + m * K, d + m * nb, sum + m * nb,
+        quantize_row_f32(path, static_cast<const float*>(x) + m * K, K, q + m * K, d + m * nb, sum + m * nb,
                          s + m * nb);
     }
   });
-  a.rows.resize(M);
-  for (int64_t m = 0; m < M; m++) a.rows[m] = {q + m * K, d + m * nb, sum + m * nb, s + m * nb, nullptr};
+  if (half_sums) {
+    a.sum16 = reinterpret_cast<int32_t*>(base + q_bytes + 3 * blocks);
+    for (int64_t b = 0; b < M * nb; b++) {
+      int32_t total = 0;
+      for (int i = 0; i < QK / 2; i++) total += q[b * QK + i];
+      a.sum16[b] = total;
+    }
+  }
+  thread_local std::vector<ActRow> rows;
+  rows.resize(M);
+  for (int64_t m = 0; m < M; m++)
+    rows[m] = {q + m * K, d + m * nb, sum + m * nb, s + m * nb, half_sums ? a.sum16 + m * nb : nullptr};
+  a.rows = rows.data();
   return a;
 }
 
-// Each block's sum of its first 16 values, which the groups-of-16 kernels take 128 times off the first half.
-void add_half_sums(Activations& a) {
-  const int64_t M = a.q.size(0), K = a.q.size(1), nb = K / QK;
-  a.sum16 = at::empty({M, nb}, a.sum.options());
-  int32_t* out = a.sum16.data_ptr<int32_t>();
-  const int8_t* q = a.q.data_ptr<int8_t>();
-  for (int64_t m = 0; m < M; m++) {
-    for (int64_t b = 0; b < nb; b++) {
-      int32_t total = 0;
-      for (int i = 0; i < QK / 2; i++) total += q[m * K + b * QK + i];
-      out[m * nb + b] = total;
-    }
-    a.rows[m].sum16 = out + m * nb;
-  }
-}
+// The activations of an op as rows of K: checked, and copied only if they are not contiguous.
+struct Input {
+  at::Tensor held;  // the contiguous copy, if one was needed
+  const void* data;
+  bool bf16;
+  int64_t M, K;
+};
 
-// x as (M, K), contiguous, with K a whole number of blocks.
-at::Tensor rows_of(const at::Tensor& x, const char* op) {
+Input rows_of(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.device().is_cpu(), op, ": activations must be on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": activations must be float32 or bfloat16, not ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % QK == 0, op, ": the last dimension (", x.size(-1),
               ") must be a multiple of ", QK);
-  return x.reshape({-1, x.size(-1)}).contiguous();
+  Input in;
+  if (!x.is_contiguous()) in.held = x.contiguous();
+  const at::Tensor& c = x.is_contiguous() ? x : in.held;
+  in.data = c.data_ptr();
+  in.bf16 = x.scalar_type() == at::kBFloat16;
+  in.K = x.size(-1);
+  in.M = in.K ? x.numel() / in.K : 0;
+  return in;
+}
+
+// A float32 output of x's shape but for its last dimension, `n`; no dispatcher call.
+at::Tensor new_output(const at::Tensor& x, int64_t n) {
+  c10::SmallVector<int64_t, 4> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return at::detail::empty_cpu(shape, at::kFloat, std::nullopt, std::nullopt, std::nullopt, std::nullopt);
 }
 
 // int8 weights: (groups, K / 32, 256) int8 and float16 scales, (groups, K / 32, 8), or in groups of 16
@@ -164,24 +205,24 @@ void check_q8_weight(const at::Tensor& weight, const at::Tensor& scales, int64_t
               op, ": scales must be contiguous float16 of shape ", at::IntArrayRef(want), ", not ", scales.sizes());
 }
 
-at::Tensor output_like(const at::Tensor& x, const at::Tensor& y) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = y.size(1);
-  return (x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type())).view(shape);
+// y, float32, in x's dtype.
+at::Tensor in_dtype_of(const at::Tensor& x, const at::Tensor& y) {
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
 // Work in slices of whole groups of at least this many weight bytes per thread, so that small layers do not
 // pay for waking threads they do not need.
 constexpr int64_t kMinBytesPerTask = 1 << 15;
 
-// Dequantize-then-GEMM: the quantized activations widened (q * d), times the widened weight, a slice of
-// groups at a time: 16 MB of float32 scratch, few enough slices that waking the threads for each costs little.
+// Dequantize-then-GEMM into y (M, out_features): the quantized activations widened (q * d), times the widened
+// weight, a slice of groups at a time: 16 MB of float32 scratch, few enough slices that waking the threads for
+// each costs little.
 template <typename Dequantize>
-at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, int64_t group_bytes, int64_t group_rows,
-                Dequantize dequantize_groups) {
-  const int64_t M = a.q.size(0), nb = K / QK, groups = (out_features + group_rows - 1) / group_rows;
-  const at::Tensor xf = (a.q.to(at::kFloat).view({M, nb, QK}) * a.d.unsqueeze(-1)).view({M, K});
-  at::Tensor y = at::empty({M, out_features}, xf.options());
+void gemm(const Activations& a, int64_t out_features, int64_t group_bytes, int64_t group_rows, at::Tensor y,
+          Dequantize dequantize_groups) {
+  const int64_t M = a.M, K = a.K, nb = K / QK, groups = (out_features + group_rows - 1) / group_rows;
+  const at::Tensor xf = (at::from_blob(a.q, {M, nb, QK}, at::kChar).to(at::kFloat) *
+                         at::from_blob(a.d, {M, nb, 1}, at::kFloat)).view({M, K});
   const int64_t kSlice = std::min(groups, std::max<int64_t>(1, (int64_t(1) << 22) / (group_rows * K)));
   at::Tensor wf = at::empty({kSlice * group_rows, K}, xf.options());
   for (int64_t g = 0; g < groups; g += kSlice) {
@@ -191,28 +232,27 @@ at::Tensor gemm(const Activations& a, int64_t K, int64_t out_features, int64_t g
                      [&](int64_t s, int64_t e) { dequantize_groups(s, e, out + (s - g) * group_rows * K); });
     y.narrow(1, g * group_rows, rows).copy_(at::mm(xf, wf.narrow(0, 0, rows).t()));
   }
-  return y;
 }
 
-at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features,
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features,
                      bool halves) {
   const char* op = halves ? "q8_16_linear" : "q8_0_linear";
-  const at::Tensor x = rows_of(x_in, op);
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
+  const Input in = rows_of(x, op);
+  const int64_t M = in.M, K = in.K, nb = K / QK, groups = (out_features + ROWS - 1) / ROWS;
   check_q8_weight(weight, scales, K, out_features, halves, op);
   const int path = active_path();
-  Activations a = quantize(x, path);
-  if (halves) add_half_sums(a);
+  const Activations a = quantize(in.data, in.bf16, M, K, path, halves);
   const int8_t* w = weight.data_ptr<int8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  at::Tensor y = new_output(x, out_features);
   if (M >= gemm_min_rows.load()) {
-    return output_like(x_in, gemm(a, K, out_features, nb * Q8_BLOCK_BYTES, ROWS, [&](int64_t g0, int64_t g1, float* out) {
+    gemm(a, out_features, nb * Q8_BLOCK_BYTES, ROWS, y.view({M, out_features}), [&](int64_t g0, int64_t g1, float* out) {
       dequantize_q8_0(halves, w, sc, nb, g0, g1, out);
-    }));
+    });
+    return in_dtype_of(x, y);
   }
-  at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  const ActRow* rows = a.rows.data();
+  const ActRow* rows = a.rows;
   using Gemv = void (*)(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const ActRow*, int64_t, float*, int64_t);
   static const Gemv q8_0[kNumPaths] = {gemv_q8_0_scalar, gemv_q8_0_avx2, gemv_q8_0_avxvnni_emulated,
                                        gemv_q8_0_avxvnni, gemv_q8_0_avx512vnni};
@@ -221,7 +261,7 @@ at::Tensor q8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at:
   const Gemv gemv = (halves ? q8_16 : q8_0)[path];
   at::parallel_for(0, groups, std::max<int64_t>(1, kMinBytesPerTask / (nb * Q8_BLOCK_BYTES)),
                    [&](int64_t g0, int64_t g1) { gemv(w, sc, nb, g0, g1, rows, M, yp, out_features); });
-  return output_like(x_in, y);
+  return in_dtype_of(x, y);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
@@ -241,23 +281,24 @@ void check_q4_weight(const at::Tensor& weight, int64_t K, int64_t out_features, 
               weight.scalar_type(), " ", weight.sizes());
 }
 
-at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t out_features, bool has_mins) {
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features, bool has_mins) {
   const char* op = has_mins ? "q4_1_linear" : "q4_0_linear";
-  const at::Tensor x = rows_of(x_in, op);
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, units = (out_features + Q4_ROWS - 1) / Q4_ROWS;
+  const Input in = rows_of(x, op);
+  const int64_t M = in.M, K = in.K, nb = K / QK, units = (out_features + Q4_ROWS - 1) / Q4_ROWS;
   check_q4_weight(weight, K, out_features, has_mins, op);
   const int64_t unit_bytes = nb * (has_mins ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES);
   const int path = active_path();
-  const Activations a = quantize(x, path);
+  const Activations a = quantize(in.data, in.bf16, M, K, path, false);
   const uint8_t* w = weight.data_ptr<uint8_t>();
+  at::Tensor y = new_output(x, out_features);
   if (M >= gemm_min_rows.load()) {
-    return output_like(x_in, gemm(a, K, out_features, unit_bytes, Q4_ROWS, [&](int64_t u0, int64_t u1, float* out) {
+    gemm(a, out_features, unit_bytes, Q4_ROWS, y.view({M, out_features}), [&](int64_t u0, int64_t u1, float* out) {
       dequantize_q4(has_mins, w, nb, u0, u1, out);
-    }));
+    });
+    return in_dtype_of(x, y);
   }
-  at::Tensor y = at::empty({M, out_features}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  const ActRow* rows = a.rows.data();
+  const ActRow* rows = a.rows;
   using Gemv = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const ActRow*, int64_t, float*, int64_t);
   static const Gemv q4_0[kNumPaths] = {gemv_q4_0_scalar, gemv_q4_0_avx2, gemv_q4_0_avxvnni_emulated,
                                        gemv_q4_0_avxvnni, gemv_q4_0_avx512vnni};
@@ -266,7 +307,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& weight, int64_t o
   const Gemv gemv = (has_mins ? q4_1 : q4_0)[path];
   at::parallel_for(0, units, std::max<int64_t>(1, kMinBytesPerTask / unit_bytes),
                    [&](int64_t u0, int64_t u1) { gemv(w, nb, u0, u1, rows, M, yp, out_features); });
-  return output_like(x_in, y);
+  return in_dtype_of(x, y);
 }
 
 at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_features) {
@@ -284,9 +325,9 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous() && x_in.size(-1) == K,
               "f32_linear: weight must be a contiguous (out, ", x_in.size(-1), ") float32 matrix, not ",
               weight.scalar_type(), " ", weight.sizes(), weight.is_contiguous() ? "" : " (not contiguous)");
-  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, N}, x.options());
+  const at::Tensor x = x_in.is_contiguous() ? x_in : x_in.contiguous();
+  const int64_t M = K ? x.numel() / K : 0;
+  at::Tensor y = new_output(x_in, N);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int path = active_path();
@@ -300,15 +341,15 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight) {
     else
       f32_rows_scalar(xp, M, wp, K, n0, n1, yp, N);
   });
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  return y.view(shape);
+  return y;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x_in) {
-  const at::Tensor x = rows_of(x_in, "quantize_activations");
-  const Activations a = quantize(x, active_path());
-  return {a.q, a.d, a.sum};
+  const Input in = rows_of(x_in, "quantize_activations");
+  const Activations a = quantize(in.data, in.bf16, in.M, in.K, active_path(), false);
+  const int64_t nb = in.K / QK;
+  return {at::from_blob(a.q, {in.M, in.K}, at::kChar).clone(), at::from_blob(a.d, {in.M, nb}, at::kFloat).clone(),
+          at::from_blob(a.sum, {in.M, nb}, at::kInt).clone()};
 }
 
 at::Tensor dequantize_q8_op(const at::Tensor& weight, const at::Tensor& scales, int64_t out_features, bool halves) {
@@ -408,3 +449,33 @@ TORCH_LIBRARY_IMPL(llama_kv, CPU, m) {
 }
 
 }  // namespace llama_kv
+
+// C entry points for steps compiled ahead of time: told of them (llama/aot.py), AOTInductor's code calls
+// aoti_torch_cpu_<op> directly instead of boxing every argument through the dispatcher (about 3 us a call).
+// An exception becomes AOTInductor's error code, with its message kept for the caller.
+#define LLAMA_KV_SHIM(call) AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ *out = new_tensor_handle(call); })
+using torch::aot_inductor::new_tensor_handle;
+using torch::aot_inductor::tensor_handle_to_tensor_pointer;
+#define T(h) (*tensor_handle_to_tensor_pointer(h))
+
+extern "C" {
+AOTITorchError aoti_torch_cpu_q8_0_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
+                                          int64_t out_features, AtenTensorHandle* out) {
+  LLAMA_KV_SHIM(llama_kv::q8_0_linear(T(x), T(weight), T(scales), out_features));
+}
+AOTITorchError aoti_torch_cpu_q8_16_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
+                                           int64_t out_features, AtenTensorHandle* out) {
+  LLAMA_KV_SHIM(llama_kv::q8_16_linear(T(x), T(weight), T(scales), out_features));
+}
+AOTITorchError aoti_torch_cpu_q4_0_linear(AtenTensorHandle x, AtenTensorHandle weight, int64_t out_features,
+                                          AtenTensorHandle* out) {
+  LLAMA_KV_SHIM(llama_kv::q4_0_linear(T(x), T(weight), out_features));
+}
+AOTITorchError aoti_torch_cpu_q4_1_linear(AtenTensorHandle x, AtenTensorHandle weight, int64_t out_features,
+                                          AtenTensorHandle* out) {
+  LLAMA_KV_SHIM(llama_kv::q4_1_linear(T(x), T(weight), out_features));
+}
+AOTITorchError aoti_torch_cpu_f32_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* out) {
+  LLAMA_KV_SHIM(llama_kv::f32_linear(T(x), T(weight)));
+}
+}
