@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama.kernels import loaded as kernels_loaded  # loaded by the compiled step where they can be (llama/compile.py)
-from llama.pages import return_free_memory
+from llama.pages import return_free_memory, shared_huge_pages
 from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, dequantize_values, pack_int4, unpack_int4
 
 # Up to this many rows (batch x tokens fed), a compiled CPU step computes a linear layer as a reduction,
@@ -438,25 +438,26 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
     linear = (nn.Linear, QuantizedLinear)
     # The parents only: a list of every module would hold each old layer until the end, the model twice.
     parents = [m for m in model.modules() if any(isinstance(c, linear) for c in m.children())]
-    for parent in parents:
-        repacked = False
-        for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
-            layer = getattr(parent, name)
-            cls = layer_class(layer, dtype, compiled, kernels, integer)
-            if type(layer) is cls:
-                continue
-            if isinstance(layer, nn.Linear):
-                layer.__class__ = cls  # same parameters, same state_dict
-                continue
-            new = cls.from_layer(layer, dtype)
-            new._forward_hooks.update(layer._forward_hooks)
-            setattr(parent, name, new)
-            repacked = True
-        layer = new = None
-        if repacked:
-            # Hand the old layers' freed heap memory back now: the integer kernels' new ones live in mappings of
-            # their own (2 MiB pages, llama/pages.py), which would not reuse it.
-            return_free_memory()
+    with shared_huge_pages():  # the re-packed layers under 2 MiB, side by side on 2 MiB pages
+        for parent in parents:
+            repacked = False
+            for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
+                layer = getattr(parent, name)
+                cls = layer_class(layer, dtype, compiled, kernels, integer)
+                if type(layer) is cls:
+                    continue
+                if isinstance(layer, nn.Linear):
+                    layer.__class__ = cls  # same parameters, same state_dict
+                    continue
+                new = cls.from_layer(layer, dtype)
+                new._forward_hooks.update(layer._forward_hooks)
+                setattr(parent, name, new)
+                repacked = True
+            layer = new = None
+            if repacked:
+                # Hand the old layers' freed heap memory back now: the integer kernels' new ones live in mappings
+                # of their own (2 MiB pages, llama/pages.py), which would not reuse it.
+                return_free_memory()
     _choose_attention(model)
     return model
 
