@@ -36,14 +36,14 @@ def _row_slices(layer: QuantizedLinear, step: int = kernels.ROWS):
     return [(start, min(start + rows, layer.out_features)) for start in range(0, layer.out_features, rows)]
 
 
-def _filled(new: QuantizedLinear, names, slices, step: int, pack) -> None:
+def _filled(new: QuantizedLinear, names, pieces, step: int) -> None:
     """Give `new` its buffers `names` (registered on the meta device with their final shapes), re-packed a slice of
-    rows at a time: `pack(start, end)` gives the slice's pieces, one per name. The buffers ask for 2 MiB pages
-    (llama/pages.py: 7B-shaped layers streamed at 32 against 28 GB/s for int8, 28 against 21 for int4, from
+    rows at a time: `pieces` yields (the slice's first row, its tensors, one per name). The buffers ask for 2 MiB
+    pages (llama/pages.py: 7B-shaped layers streamed at 32 against 28 GB/s for int8, 28 against 21 for int4, from
     4 KiB ones) and are allocated first, then filled as the slices come: one slice's pieces alive at a time."""
     buffers = {name: huge_empty(getattr(new, name).shape, getattr(new, name).dtype) for name in names}
-    for start, end in slices:
-        for name, piece in zip(names, pack(start, end)):
+    for start, tensors in pieces:
+        for name, piece in zip(names, tensors):
             buffers[name][start // step:start // step + piece.shape[0]].copy_(piece)
     for name, tensor in buffers.items():
         setattr(new, name, tensor)
@@ -57,15 +57,29 @@ class _DotLinear(QuantizedLinear):
 
     @classmethod
     def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "_DotLinear":
-        new = cls(layer.in_features, layer.out_features, layer.group_size)
-        repeat = _blocks_per_group(layer)
+        return cls.from_layers([layer], dtype)
 
-        def pack(start, end):
-            values, *scales = layer.format_values(start, end)
-            # (Scales come from float16, whatever dtype a loader handed them in: back to it exactly.)
-            return cls._pack(values, *(s.to(SCALE_DTYPE).repeat_interleave(repeat, dim=1) for s in scales))
+    @classmethod
+    def from_layers(cls, layers, dtype: torch.dtype) -> "_DotLinear":
+        """One layer of `layers`' rows one after another (llama/fuse.py), each but the last a whole number of
+        groups. Each row's products are the ones, in the order, of its own layer: the kernels' rows are apart."""
+        first = layers[0]
+        assert all(l.in_features == first.in_features and l.group_size == first.group_size for l in layers)
+        assert all(l.out_features % cls._rows == 0 for l in layers[:-1])
+        new = cls(first.in_features, sum(l.out_features for l in layers), first.group_size)
 
-        _filled(new, cls._buffers_held, _row_slices(layer, cls._rows), cls._rows, pack)
+        def pieces():
+            offset = 0
+            for layer in layers:
+                repeat = _blocks_per_group(layer)
+                for start, end in _row_slices(layer, cls._rows):
+                    values, *scales = layer.format_values(start, end)
+                    # (Scales come from float16, whatever dtype a loader handed them in: back to it exactly.)
+                    yield offset + start, cls._pack(values, *(s.to(SCALE_DTYPE).repeat_interleave(repeat, dim=1)
+                                                              for s in scales))
+                offset += layer.out_features
+
+        _filled(new, cls._buffers_held, pieces(), cls._rows)
         return new
 
     def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
@@ -100,8 +114,8 @@ class Int8DotLinear(_DotLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llama_kv.q8_0_linear(x, self.weight, self.scales, self.out_features)
 
-    def format_tensors(self) -> Dict[str, torch.Tensor]:
-        values, scales = self.format_values()
+    def format_tensors(self, start: int = 0, end: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        values, scales = self.format_values(start, end)
         return {"weight": values, "scales": scales}
 
     def _dequantize(self) -> torch.Tensor:
@@ -134,8 +148,8 @@ class Int4DotLinear(_DotLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llama_kv.q4_1_linear(x, self.weight, self.out_features)
 
-    def format_tensors(self) -> Dict[str, torch.Tensor]:
-        values, scales, mins = self.format_values()
+    def format_tensors(self, start: int = 0, end: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        values, scales, mins = self.format_values(start, end)
         return {"weight": pack_int4(values), "scales": scales, "mins": mins}
 
     def _dequantize(self) -> torch.Tensor:

@@ -431,16 +431,19 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
 
     Quantized layers are re-packed into their new class's layout (the old tensors are dropped); float ones
     only change class. The activations' dtype is the model's (its embedding's). Forward hooks stay.
-    `kernels` and `integer` are `layer_class`'s. Attention becomes row-exact where layers run on the integer
-    kernels (llama/row_attention.py).
+    `kernels` and `integer` are `layer_class`'s. On the integer kernels, projections of the same input become one
+    layer (llama/fuse.py) and attention becomes row-exact (llama/row_attention.py).
     """
+    from llama.fuse import fuse  # it builds on llama/int_linears.py, which builds on this module
+
     dtype = model.dtype
     linear = (nn.Linear, QuantizedLinear)
     # The parents only: a list of every module would hold each old layer until the end, the model twice.
     parents = [m for m in model.modules() if any(isinstance(c, linear) for c in m.children())]
     with shared_huge_pages():  # the re-packed layers under 2 MiB, side by side on 2 MiB pages
         for parent in parents:
-            repacked = False
+            # Projections of the same input, on the integer kernels, become one product (llama/fuse.py).
+            repacked = fuse(parent, lambda layer: layer_class(layer, dtype, compiled, kernels, integer), dtype)
             for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
                 layer = getattr(parent, name)
                 cls = layer_class(layer, dtype, compiled, kernels, integer)

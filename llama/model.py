@@ -1,7 +1,7 @@
 """The LLaMA-2 transformer in plain PyTorch, with Meta's parameter names and an optional KV cache."""
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -158,9 +158,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         n_rep = self.n_heads // self.n_kv_heads
-        xq = self.wq(x).view(bsz, seqlen, self.n_heads, self.head_dim)
-        xk = self.wk(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        xv = self.wv(x).view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        xq, xk, xv = self.project(x)
+        xq = xq.view(bsz, seqlen, self.n_heads, self.head_dim)
+        xk = xk.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
+        xv = xv.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
         xq = self.rotate(xq, freqs_cis)
         xk = self.rotate(xk, freqs_cis)
 
@@ -190,6 +191,10 @@ class Attention(nn.Module):
         out = out.view(bsz, self.n_kv_heads, n_rep, seqlen, self.head_dim).permute(0, 3, 1, 2, 4)
         return self.wo(out.reshape(bsz, seqlen, -1))
 
+    def project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x's queries, keys and values: three products (llama/fuse.py makes them one where that is faster)."""
+        return self.wq(x), self.wk(x), self.wv(x)
+
 
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
@@ -199,7 +204,12 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.project(x)
+        return self.w2(F.silu(gate) * up)
+
+    def project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """x's gate and up-projection: two products (llama/fuse.py makes them one where that is faster)."""
+        return self.w1(x), self.w3(x)
 
 
 class TransformerBlock(nn.Module):

@@ -222,7 +222,8 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
     choose_layer_classes(model, compiled, integer=integer)
     layers = dict(model.named_modules())
     for name, tensor in stored:
-        if not any(_shares_memory(tensor, held) for held in layers[name].buffers()):
+        layer = layers.get(name)  # None: made one product with others (llama/fuse.py), in memory of its own
+        if layer is None or not any(_shares_memory(tensor, held) for held in layer.buffers()):
             release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
     return_free_memory()
     return model

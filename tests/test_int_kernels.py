@@ -524,7 +524,7 @@ def test_rounding_activations_moves_logits_by_what_8_bits_allow(models, gqa_ckpt
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_the_compiled_step_calls_the_same_kernels(gqa_ckpt, method):
     compiled = build(gqa_ckpt, quantize=method, compile=True)
-    assert type(compiled.model.layers[0].feed_forward.w1) is (Int8DotLinear if method == "int8" else Int4DotLinear)
+    assert type(compiled.model.layers[0].feed_forward.w13) is (Int8DotLinear if method == "int8" else Int4DotLinear)
     eager = build(gqa_ckpt, quantize=method)
     # One prompt: the batch-1 package compile=True stored (a row's output does not depend on the rows beside it,
     # tested above, and another batch size would be another package to build).
