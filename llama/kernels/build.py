@@ -25,6 +25,9 @@ SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot
            "f32_rows.cpp")
 DIR_ENV = "LLAMA_KERNELS_DIR"
 BUILD_NOTE = "building the CPU kernels (int8/int4, and float32 decode products; once, a minute or two)"
+# No -std: torch adds the standard its own headers need (C++17 up to torch 2.13, C++20 from 2.14). Hidden symbols:
+# loaded RTLD_GLOBAL, the library shows the libraries loaded after it only its C entry points (LLAMA_KV_EXPORT).
+FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 # The CPU flags that name the cache directory: the paths the library may take here.
 _KEY_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 
@@ -62,7 +65,7 @@ def cpu_key() -> str:
 
 
 def source_digest() -> str:
-    h = hashlib.sha256()
+    h = hashlib.sha256(" ".join(FLAGS).encode())
     for path in sorted(CSRC.iterdir()):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
@@ -94,11 +97,9 @@ def build_and_load(progress: Optional[Progress] = None) -> Path:
         from torch.utils.cpp_extension import load
 
         directory.mkdir(parents=True, exist_ok=True)
-        # No -std: torch adds the standard its own headers need (C++17 up to torch 2.13, C++20 from 2.14).
-        flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
         try:
             with step(or_silent(progress), BUILD_NOTE):
-                load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
                      build_directory=str(directory), is_python_module=False, verbose=False)
         except Exception as e:  # a compiler's failure comes as RuntimeError, CalledProcessError, OSError ...
             lines = [line for line in str(e).splitlines() if "error" in line.lower()] or str(e).splitlines() or [type(e).__name__]

@@ -212,8 +212,9 @@ TORCH_LIBRARY_IMPL(llama_kv, CPU, m) { m.impl("attention", &attention); }
 }  // namespace llama_kv
 
 // Its C entry point for steps compiled ahead of time (see the end of ops.cpp).
-extern "C" AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v,
-                                                   AtenTensorHandle* mask, AtenTensorHandle* out) {
+extern "C" LLAMA_KV_EXPORT AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k,
+                                                                   AtenTensorHandle v, AtenTensorHandle* mask,
+                                                                   AtenTensorHandle* out) {
   using torch::aot_inductor::tensor_handle_to_tensor_pointer;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     c10::optional<at::Tensor> m;

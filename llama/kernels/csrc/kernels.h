@@ -32,6 +32,10 @@
 
 #include <cstdint>
 
+// The library is built with hidden symbols and loaded RTLD_GLOBAL (for the C entry points compiled steps call):
+// only what is marked so is seen from outside it.
+#define LLAMA_KV_EXPORT __attribute__((visibility("default")))
+
 namespace llama_kv {
 
 constexpr int QK = 32;    // values per block

@@ -459,23 +459,26 @@ using torch::aot_inductor::tensor_handle_to_tensor_pointer;
 #define T(h) (*tensor_handle_to_tensor_pointer(h))
 
 extern "C" {
-AOTITorchError aoti_torch_cpu_q8_0_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
-                                          int64_t out_features, AtenTensorHandle* out) {
+LLAMA_KV_EXPORT AOTITorchError aoti_torch_cpu_q8_0_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                          AtenTensorHandle scales, int64_t out_features,
+                                                          AtenTensorHandle* out) {
   LLAMA_KV_SHIM(llama_kv::q8_0_linear(T(x), T(weight), T(scales), out_features));
 }
-AOTITorchError aoti_torch_cpu_q8_16_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle scales,
-                                           int64_t out_features, AtenTensorHandle* out) {
+LLAMA_KV_EXPORT AOTITorchError aoti_torch_cpu_q8_16_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                           AtenTensorHandle scales, int64_t out_features,
+                                                           AtenTensorHandle* out) {
   LLAMA_KV_SHIM(llama_kv::q8_16_linear(T(x), T(weight), T(scales), out_features));
 }
-AOTITorchError aoti_torch_cpu_q4_0_linear(AtenTensorHandle x, AtenTensorHandle weight, int64_t out_features,
-                                          AtenTensorHandle* out) {
+LLAMA_KV_EXPORT AOTITorchError aoti_torch_cpu_q4_0_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                          int64_t out_features, AtenTensorHandle* out) {
   LLAMA_KV_SHIM(llama_kv::q4_0_linear(T(x), T(weight), out_features));
 }
-AOTITorchError aoti_torch_cpu_q4_1_linear(AtenTensorHandle x, AtenTensorHandle weight, int64_t out_features,
-                                          AtenTensorHandle* out) {
+LLAMA_KV_EXPORT AOTITorchError aoti_torch_cpu_q4_1_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                          int64_t out_features, AtenTensorHandle* out) {
   LLAMA_KV_SHIM(llama_kv::q4_1_linear(T(x), T(weight), out_features));
 }
-AOTITorchError aoti_torch_cpu_f32_linear(AtenTensorHandle x, AtenTensorHandle weight, AtenTensorHandle* out) {
+LLAMA_KV_EXPORT AOTITorchError aoti_torch_cpu_f32_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                         AtenTensorHandle* out) {
   LLAMA_KV_SHIM(llama_kv::f32_linear(T(x), T(weight)));
 }
 }
