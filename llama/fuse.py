@@ -3,7 +3,7 @@
 Attention's wq, wk and wv, and the feed-forward's w1 and w3 (gate and up), each multiply the same activations.
 On the integer kernels (llama/int_linears.py) a product costs a call, a rounding of the activations and a
 wake-up of the threads whatever its size, and a small model's are small: the default model makes 210 a token.
-`fuse_projections` holds each group as one layer of their rows one after another (`wqkv`, `w13`) and swaps the
+`fuse` holds each group as one layer of their rows one after another (`wqkv`, `w13`) and swaps the
 module's class for one whose `project` makes one product and splits it: 120 a token. The kernels compute every
 output row apart from the others, so each row gets the same bits as before (tested). `state_dict()` still gives
 each projection under its own name, in the on-disk layout; the model's `forward` (llama/model.py) is unchanged.
@@ -72,11 +72,7 @@ def fuse(parent: nn.Module, choose: Callable[[nn.Module], Type[nn.Module]], dtyp
     if len(classes) != 1:
         return False
     (cls,) = classes
-    if not (isinstance(cls, type) and issubclass(cls, _DotLinear)):
-        return False
-    first = layers[0]
-    if any(l.in_features != first.in_features or l.group_size != first.group_size for l in layers) or \
-            any(l.out_features % cls._rows for l in layers[:-1]):
+    if not (isinstance(cls, type) and issubclass(cls, _DotLinear) and cls.can_join(layers)):
         return False
     joined = cls.from_layers(layers, dtype)
     for name in fused_class.names:

@@ -60,12 +60,19 @@ class _DotLinear(QuantizedLinear):
         return cls.from_layers([layer], dtype)
 
     @classmethod
-    def from_layers(cls, layers, dtype: torch.dtype) -> "_DotLinear":
-        """One layer of `layers`' rows one after another (llama/fuse.py), each but the last a whole number of
-        groups. Each row's products are the ones, in the order, of its own layer: the kernels' rows are apart."""
+    def can_join(cls, layers) -> bool:
+        """Whether `from_layers` can hold `layers` as one: the same columns in the same groups, and each layer but the
+        last a whole number of this class's groups (units) of rows."""
         first = layers[0]
-        assert all(l.in_features == first.in_features and l.group_size == first.group_size for l in layers)
-        assert all(l.out_features % cls._rows == 0 for l in layers[:-1])
+        return all(l.in_features == first.in_features and l.group_size == first.group_size for l in layers) and \
+            all(l.out_features % cls._rows == 0 for l in layers[:-1])
+
+    @classmethod
+    def from_layers(cls, layers, dtype: torch.dtype) -> "_DotLinear":
+        """One layer of `layers`' rows one after another (llama/fuse.py; `can_join` says whether it can). Each row's
+        products are the ones, in the order, of its own layer: the kernels' rows are apart."""
+        assert cls.can_join(layers)
+        first = layers[0]
         new = cls(first.in_features, sum(l.out_features for l in layers), first.group_size)
 
         def pieces():
