@@ -31,7 +31,7 @@ from torch import nn
 
 from llama import kernels
 from llama.errors import first_line
-from llama.files import read_json_object, write_atomically
+from llama.files import read_json_object, sha256_file, write_atomically
 from llama.kv_cache import KVCache, PagedKVCache
 from llama.model import Transformer
 from llama.paths import home_dir
@@ -130,14 +130,6 @@ def _key(fields: Dict[str, object]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _torch_version() -> tuple:
     return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
 
@@ -224,7 +216,7 @@ class _StoredSteps:
         if "unsupported" in meta:  # an earlier run found that this model cannot be compiled ahead of time
             raise Unsupported(str(meta["unsupported"]))
         package = directory / PACKAGE
-        if not package.is_file() or _file_digest(package) != meta.get("sha256"):
+        if not package.is_file() or sha256_file(package) != meta.get("sha256"):
             raise Damaged(f"{PACKAGE} is missing or does not match its digest")
         try:
             loader = _package_loader(package)
@@ -265,7 +257,7 @@ class _StoredSteps:
                             torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False,
                                                           "aot_inductor.custom_ops_to_c_shims": kernels.c_shims()}):
                         torch._inductor.aoti_compile_and_package(exported, package_path=str(staging / PACKAGE))
-                    meta = {"key": fields, "sha256": _file_digest(staging / PACKAGE),
+                    meta = {"key": fields, "sha256": sha256_file(staging / PACKAGE),
                             "built": time.strftime("%Y-%m-%d %H:%M:%S")}
             write_atomically(staging / META, json.dumps(meta, indent=1))
             try:

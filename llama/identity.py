@@ -15,7 +15,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from llama.checkpoint import shard_paths
-from llama.files import write_atomically
+from llama.files import sha256_file, write_atomically
 from llama.paths import home_dir
 from llama.tokenizer import CONFIG_NAME
 
@@ -50,14 +50,11 @@ def file_digests(paths: Iterable[Path], cache_path: Optional[Path] = None) -> Di
         path = Path(path)
         key = _stat_key(path)
         if key not in known:
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 24):
-                    h.update(chunk)
+            digest = sha256_file(path)
             # One entry per path: a file that changed replaces its old entry instead of piling up.
             prefix = key.rsplit("|", 3)[0] + "|"
             known = {k: v for k, v in known.items() if not k.startswith(prefix)}
-            known[key], added = h.hexdigest(), True
+            known[key], added = digest, True
         out[path.name] = known[key]
     if added and cache_path.parent.is_dir():
         known = {k: v for k, v in known.items() if os.path.exists(k.rsplit("|", 3)[0])}  # forget deleted files

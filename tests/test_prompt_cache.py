@@ -5,6 +5,7 @@ quantization. Another model's file, a truncated or edited one, one of a newer fo
 refused with one sentence; the loader never unpickles anything.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from helpers import PROMPT, build, generate, run, write_tiny
+from llama.files import sha256_file
 from llama.identity import file_digests, model_identity
 from llama.prompt_cache import PromptCacheError, load_prompt_cache, restore, save_prompt_cache
 from llama.session import Session
@@ -104,6 +106,16 @@ def test_a_weight_file_changed_in_place_is_hashed_again(gqa_ckpt, tmp_path):
     weights.write_bytes(bytes(data))
     assert file_digests([weights], digests) != first
     assert len(json.loads(digests.read_text())) == 1  # the stale entry was replaced
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 18) - 1, 1 << 18, (1 << 18) + 1, 3 * (1 << 18) + 5])
+def test_a_files_digest_is_the_sha256_of_every_byte(tmp_path, size):
+    """sha256_file reads through one buffer (llama/files.py): files shorter, as long and longer than it, and
+    several buffers long with a remainder, are hashed whole."""
+    data = os.urandom(size)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert sha256_file(path) == hashlib.sha256(data).hexdigest()
 
 
 def test_another_models_file_is_refused(saved, tmp_path):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from llama.errors import LlamaError
-from llama.files import write_atomically
+from llama.files import sha256_file, write_atomically
 from llama.paths import home_dir
 from llama.progress import Progress
 
@@ -221,13 +221,11 @@ def entry_damage(entry: Path) -> Optional[str]:
 def sample_digest(path: Path, header_bytes: int = 0) -> str:
     """sha256 of a file's first `header_bytes` and of 16 evenly spaced 64 KiB samples of the rest (first and
     last included); of the whole file when it is under 4 MiB more than its header."""
-    h = hashlib.sha256()
     size = path.stat().st_size
+    if size <= header_bytes + _WHOLE_BELOW:
+        return sha256_file(path)
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        if size <= header_bytes + _WHOLE_BELOW:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-            return h.hexdigest()
         header_bytes = min(header_bytes, size)
         h.update(f.read(header_bytes))
         rest = size - header_bytes
