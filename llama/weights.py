@@ -11,7 +11,6 @@ madvise(MADV_DONTNEED), which is safe because they are clean, private, file-back
 again would read them back from the file.
 """
 
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import EXAMPLE_TOKENIZER, HF_SHAPE, convert_cli, permute_for_gguf, save_hf, tiny_hf_model, write_gguf
+from helpers import EXAMPLE_TOKENIZER, HF_SHAPE, convert_cli, save_hf, tiny_hf_model, write_gguf
 from llama import Llama
 from llama.errors import LlamaError
 from llama.tokenizer import Tokenizer

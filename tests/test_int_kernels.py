@@ -27,7 +27,6 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 
 from helpers import REPO, build
 from llama import kernels

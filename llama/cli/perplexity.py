@@ -1,7 +1,6 @@
 """llama-perplexity: how well a model predicts a text, as llama.cpp's command of the same name measures it."""
 
 import json as jsonlib
-import sys
 from pathlib import Path
 
 from llama.cli.common import fail, run
