@@ -440,13 +440,14 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
     linear = (nn.Linear, QuantizedLinear)
     # The parents only: a list of every module would hold each old layer until the end, the model twice.
     parents = [m for m in model.modules() if any(isinstance(c, linear) for c in m.children())]
+    choose = lambda layer: layer_class(layer, dtype, compiled, kernels, integer)  # noqa: E731
     with shared_huge_pages():  # the re-packed layers under 2 MiB, side by side on 2 MiB pages
         for parent in parents:
             # Projections of the same input, on the integer kernels, become one product (llama/fuse.py).
-            repacked = fuse(parent, lambda layer: layer_class(layer, dtype, compiled, kernels, integer), dtype)
+            repacked = fuse(parent, choose, dtype)
             for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
                 layer = getattr(parent, name)
-                cls = layer_class(layer, dtype, compiled, kernels, integer)
+                cls = choose(layer)
                 if type(layer) is cls:
                     continue
                 if isinstance(layer, nn.Linear):
