@@ -101,6 +101,13 @@ def positions_mask(input_pos: torch.Tensor, kv_len: int, dtype: torch.dtype) -> 
     return torch.zeros(hidden.shape, dtype=dtype, device=input_pos.device).masked_fill(hidden, float("-inf"))
 
 
+def rotation_pairs(freqs_cis: torch.Tensor) -> torch.Tensor:
+    """freqs_cis as (cos, sin) pairs that broadcast over (bsz, seqlen, n_heads, head_dim // 2, 2). Indexed as real
+    numbers: a compiled step would call torch's dispatcher to index a complex tensor (twice a layer)."""
+    freqs = torch.view_as_real(freqs_cis)  # (..., seqlen, head_dim // 2, 2)
+    return freqs[None, :, None] if freqs_cis.dim() == 2 else freqs[:, :, None]
+
+
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate each adjacent pair (x[2i], x[2i+1]) of every head, read as one complex number: Meta's layout.
 
@@ -110,9 +117,7 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
             for rows at positions of their own.
     """
     x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (bsz, seqlen, n_heads, head_dim // 2)
-    # Indexed as real numbers: a compiled step would call torch's dispatcher to index a complex tensor.
-    freqs = torch.view_as_real(freqs_cis)
-    freqs = torch.view_as_complex(freqs[None, :, None] if freqs_cis.dim() == 2 else freqs[:, :, None])
+    freqs = torch.view_as_complex(rotation_pairs(freqs_cis))
     rotated = torch.view_as_real(x_complex * freqs)  # (bsz, seqlen, n_heads, head_dim // 2, 2)
     return rotated.flatten(-2).type_as(x)
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from llama.model import Rotary, ScaledDotProductAttention
+from llama.model import Rotary, ScaledDotProductAttention, rotation_pairs
 
 
 class RowExactAttention(ScaledDotProductAttention):
@@ -33,9 +33,7 @@ class RowExactRotary(Rotary):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (bsz, seqlen, n_heads, head_dim // 2)
-        # Real first: a compiled step would call torch's dispatcher to index a complex tensor (twice a layer).
-        freqs = torch.view_as_real(freqs_cis)  # (..., seqlen, head_dim // 2, 2)
-        freqs = freqs[None, :, None] if freqs_cis.dim() == 2 else freqs[:, :, None]
+        freqs = rotation_pairs(freqs_cis)
         cos, sin = freqs[..., 0], freqs[..., 1]
         rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
         return rotated.flatten(-2).type_as(x)
