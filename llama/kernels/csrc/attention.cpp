@@ -215,11 +215,6 @@ TORCH_LIBRARY_IMPL(llama_kv, CPU, m) { m.impl("attention", &attention); }
 extern "C" LLAMA_KV_EXPORT AOTITorchError aoti_torch_cpu_attention(AtenTensorHandle q, AtenTensorHandle k,
                                                                    AtenTensorHandle v, AtenTensorHandle* mask,
                                                                    AtenTensorHandle* out) {
-  using torch::aot_inductor::tensor_handle_to_tensor_pointer;
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    c10::optional<at::Tensor> m;
-    if (mask) m = *tensor_handle_to_tensor_pointer(*mask);
-    *out = torch::aot_inductor::new_tensor_handle(llama_kv::attention(
-        *tensor_handle_to_tensor_pointer(q), *tensor_handle_to_tensor_pointer(k), *tensor_handle_to_tensor_pointer(v), m));
-  });
+  LLAMA_KV_SHIM(llama_kv::attention(LLAMA_KV_TENSOR(q), LLAMA_KV_TENSOR(k), LLAMA_KV_TENSOR(v),
+                                    mask ? c10::optional<at::Tensor>(LLAMA_KV_TENSOR(*mask)) : c10::nullopt));
 }

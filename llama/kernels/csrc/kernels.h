@@ -36,6 +36,13 @@
 // only what is marked so is seen from outside it.
 #define LLAMA_KV_EXPORT __attribute__((visibility("default")))
 
+// In those entry points (the ends of ops.cpp and attention.cpp, which include torch's aoti_torch/utils.h): the
+// tensor behind a handle, and `*out` set to a new handle on `call`'s result, an exception becoming AOTInductor's
+// error code with its message kept for the caller.
+#define LLAMA_KV_TENSOR(h) (*torch::aot_inductor::tensor_handle_to_tensor_pointer(h))
+#define LLAMA_KV_SHIM(call) \
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ *out = torch::aot_inductor::new_tensor_handle(call); })
+
 namespace llama_kv {
 
 constexpr int QK = 32;    // values per block

@@ -452,11 +452,8 @@ TORCH_LIBRARY_IMPL(llama_kv, CPU, m) {
 
 // C entry points for steps compiled ahead of time: told of them (llama/aot.py), AOTInductor's code calls
 // aoti_torch_cpu_<op> directly instead of boxing every argument through the dispatcher (about 3 us a call).
-// An exception becomes AOTInductor's error code, with its message kept for the caller.
-#define LLAMA_KV_SHIM(call) AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({ *out = new_tensor_handle(call); })
-using torch::aot_inductor::new_tensor_handle;
-using torch::aot_inductor::tensor_handle_to_tensor_pointer;
-#define T(h) (*tensor_handle_to_tensor_pointer(h))
+// (LLAMA_KV_SHIM and LLAMA_KV_TENSOR, T for short here: kernels.h.)
+#define T LLAMA_KV_TENSOR
 
 extern "C" {
 LLAMA_KV_EXPORT AOTITorchError aoti_torch_cpu_q8_0_linear(AtenTensorHandle x, AtenTensorHandle weight,
