@@ -467,11 +467,11 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
 
 
 def _choose_attention(model: nn.Module) -> None:
-    """Attention and the rotary embedding go with the linear layers: row-exact (llama/row_attention.py) where
-    they run on the integer kernels, whose rounding would amplify any difference between a position computed
-    alone and among others; torch's fused kernel and complex product otherwise."""
-    from llama.model import Rotary, ScaledDotProductAttention
-    from llama.row_attention import RowExactAttention, RowExactRotary
+    """Attention, the rotary embedding and the norms go with the linear layers: row-exact (llama/row_attention.py)
+    where they run on the integer kernels, whose rounding would amplify any difference between a position
+    computed alone and among others, or compiled and eager; torch's own ops otherwise."""
+    from llama.model import RMSNorm, Rotary, ScaledDotProductAttention
+    from llama.row_attention import RowExactAttention, RowExactRMSNorm, RowExactRotary
 
     integer = any(getattr(m, "integer_kernels", False) for m in model.modules())
     for module in model.modules():  # they hold nothing: a change of class is all it takes
@@ -479,3 +479,5 @@ def _choose_attention(model: nn.Module) -> None:
             module.__class__ = RowExactAttention if integer else ScaledDotProductAttention
         elif isinstance(module, Rotary):
             module.__class__ = RowExactRotary if integer else Rotary
+        elif isinstance(module, RMSNorm):
+            module.__class__ = RowExactRMSNorm if integer else RMSNorm

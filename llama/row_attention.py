@@ -9,14 +9,17 @@ hides; with the integer kernels, whose rows are independent too, cached and unca
 same logits bit for bit. `RowExactRotary` does the same for the rotary embedding: torch's complex multiply
 rounds some elements differently by where they fall in its vectors (fused in the SIMD body, not in the tail),
 so a position rotated alone and among others could differ in the last bit (it did under torchrun, one head
-of 8 dimensions a rank). `llama.linears.choose_layer_classes` swaps both in with the integer kernels.
+of 8 dimensions a rank). `RowExactRMSNorm` calls `torch.ops.llama_kv.rms_norm`: torch's rms_norm and the
+reduction Inductor compiles for it sum the squares in different orders, so the compiled decode step and the
+eager uncached pass normalised some rows a bit apart. `llama.linears.choose_layer_classes` swaps all three in
+with the integer kernels.
 """
 
 from typing import Optional
 
 import torch
 
-from llama.model import Rotary, ScaledDotProductAttention, rotation_pairs
+from llama.model import RMSNorm, Rotary, ScaledDotProductAttention, rotation_pairs
 
 
 class RowExactAttention(ScaledDotProductAttention):
@@ -37,3 +40,11 @@ class RowExactRotary(Rotary):
         cos, sin = freqs[..., 0], freqs[..., 1]
         rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
         return rotated.flatten(-2).type_as(x)
+
+
+class RowExactRMSNorm(RMSNorm):
+    """The same normalisation as its base class, each row's squares summed in one fixed order by
+    `torch.ops.llama_kv.rms_norm`, eagerly and in a compiled step alike (CPU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llama_kv.rms_norm(x, self.weight, self.eps)

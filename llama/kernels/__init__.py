@@ -105,6 +105,7 @@ _C_SHIMS = {
     "q4_1_linear": "AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*",
     "f32_linear": "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle*",
     "attention": "AtenTensorHandle, AtenTensorHandle, AtenTensorHandle, AtenTensorHandle*, AtenTensorHandle*",
+    "rms_norm": "AtenTensorHandle, AtenTensorHandle, double, AtenTensorHandle*",
 }
 
 
@@ -144,6 +145,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "attention")
     def _(q, k, v, mask):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake(lib + "rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(lib + "quantize_activations")
     def _(x):
