@@ -14,12 +14,15 @@ so one package serves every checkpoint of one shape. A package whose digest, met
 again, never run.
 """
 
+import copy
 import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import asdict
@@ -161,9 +164,33 @@ class Unsupported(Exception):
     parameters or buffers, as torch's bf16 int8/int4 kernels' layers keep): it cannot be compiled ahead of time."""
 
 
+def _shadow(module: nn.Module, memo: Optional[Dict[int, torch.Tensor]] = None) -> nn.Module:
+    """A copy of `module` for torch.export to trace: the same classes, names, shapes, strides and dtypes, its tensors
+    new and never written (memory never touched costs nothing). Export swaps a module's tensors for its own while it
+    traces, which the model itself, computing eager steps on another thread meanwhile, must not see."""
+    memo = {} if memo is None else memo
+
+    def twin(t):
+        if t is None:
+            return None
+        if id(t) not in memo:  # tied tensors stay tied
+            new = torch.empty_like(t)
+            memo[id(t)] = nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
+        return memo[id(t)]
+
+    clone = copy.copy(module)
+    clone._parameters = {name: twin(t) for name, t in module._parameters.items()}
+    clone._buffers = {name: twin(t) for name, t in module._buffers.items()}
+    clone._modules = {name: None if m is None else _shadow(m, memo) for name, m in module._modules.items()}
+    return clone
+
+
 class _StoredSteps:
     """Packages of one exported step of `model`, one per size (a batch size, or a range of them), loaded from
-    disk or built and stored at first need. `notes` gathers what the user should hear (a rebuilt package)."""
+    disk or built and stored at first need. `notes` gathers what the user should hear (a rebuilt package).
+
+    `runner(size)` waits for a package to be built; `ready(size)` never does: it loads a stored one, or has it built
+    on a background thread while the caller runs the eager step, which gives the same results (tested)."""
 
     kind = ""  # of the step, in the key
     key_extra: Dict[str, object] = {}  # more of the key: what the exported code holds as constants
@@ -176,6 +203,11 @@ class _StoredSteps:
         self.directories: Dict[object, Path] = {}  # where each size's package is stored
         self._runners: Dict[object, Callable] = {}
         self._module = module
+        self._asked: set = set()  # sizes `ready` has been asked for
+        self._queue: "queue.Queue" = queue.Queue()  # sizes waiting for the background thread
+        self._worker: Optional[threading.Thread] = None
+        self.failed: Dict[object, str] = {}  # sizes the background thread could not build, and why
+        self._errors: Dict[object, Exception] = {}
 
     @property
     def build_seconds(self) -> float:
@@ -183,28 +215,101 @@ class _StoredSteps:
         return sum(self.built.values())
 
     def runner(self, size) -> Callable:
-        """The loaded package for `size`: stored, or built and stored now."""
+        """The loaded package for `size`: stored, or built and stored now (or, asked of `ready` before, by the
+        background thread: waited for, since two exports at once would trip over each other in torch)."""
+        if size not in self._runners and size in self._asked:
+            if self.building:
+                what = f"{self._example(size)[2]} (once per model shape; stored in {compiled_dir()})"
+                with step(self.progress, what):
+                    self.wait()
+            if size in self._errors:
+                raise self._errors[size]
         if size not in self._runners:
             self._runners[size] = self._load_or_build(size)
         return self._runners[size]
+
+    def ready(self, size) -> Optional[Callable]:
+        """The loaded package for `size` if it can be run now, else None. At the first call for a size a stored
+        package is loaded (milliseconds); one that is not stored is built on a background thread, a size at a
+        time, and this returns it from the first call after it is done.
+
+        Raises:
+            Unsupported: a stored verdict says that this model cannot be compiled ahead of time.
+        """
+        runner = self._runners.get(size)
+        if runner is not None or size in self._asked:
+            return runner
+        self._asked.add(size)
+        runner = self._stored(size)
+        if runner is not None:
+            self._runners[size] = runner
+            return runner
+        self._queue.put(size)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._build_queued, name="llama-compile", daemon=True)
+            self._worker.start()
+        return None
+
+    @property
+    def building(self) -> bool:
+        """Whether the background thread has packages still to build."""
+        return self._worker is not None and self._worker.is_alive() and self._queue.unfinished_tasks > 0
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the background thread has built what `ready` asked for; False if `timeout` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.building:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._worker.join(0.1)
+        return True
+
+    def _build_queued(self) -> None:
+        while True:
+            size = self._queue.get()
+            try:
+                # Silent: the eager steps meanwhile print their own output; `wait` is where a caller can say so.
+                self._runners[size] = self._build_and_load(size, or_silent(None))
+            except Exception as e:  # Unsupported, or Inductor's failures (a bad toolchain): the eager step stays
+                self.failed[size] = first_line(e)
+                self._errors[size] = e
+            finally:
+                self._queue.task_done()
 
     def _example(self, size):
         """(example inputs, dynamic_shapes, what the progress line says) to export the step for `size`."""
         raise NotImplementedError
 
-    def _load_or_build(self, size) -> Callable:
+    def _place(self, size):
         fields = describe_key(self.model, list(size) if isinstance(size, tuple) else size, self.kind, self.key_extra)
         directory = self.directories[size] = compiled_dir() / _key(fields)
+        return fields, directory
+
+    def stored(self, size) -> bool:
+        """Whether a package for `size` is loaded or stored (not necessarily undamaged)."""
+        return size in self._runners or self._place(size)[1].exists()
+
+    def _stored(self, size) -> Optional[Callable]:
+        """The stored package for `size`, loaded; None where there is none (a damaged one is removed, with a note)."""
+        fields, directory = self._place(size)
         if directory.exists():
             try:
                 return self._load(directory, fields)
             except Damaged as e:
                 self.notes.append(f"the stored compiled step in {directory} was not used ({e}); it was built again")
                 shutil.rmtree(directory, ignore_errors=True)
+        return None
+
+    def _build_and_load(self, size, progress: Optional[Progress] = None) -> Callable:
+        fields, directory = self._place(size)
         start = time.perf_counter()
-        self._build(directory, fields, *self._example(size))
+        self._build(directory, fields, *self._example(size), progress=progress)
         self.built[size] = time.perf_counter() - start
         return self._load(directory, fields)
+
+    def _load_or_build(self, size) -> Callable:
+        runner = self._stored(size)
+        return runner if runner is not None else self._build_and_load(size)
 
     def _load(self, directory: Path, fields: Dict[str, object]) -> Callable:
         try:
@@ -234,7 +339,8 @@ class _StoredSteps:
         # Inputs flat, in the exported order; the Python wrapper would parse its call spec at every step.
         return lambda tokens, input_pos, kv: loader.run([tokens, input_pos, *kv])[0]
 
-    def _build(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str) -> None:
+    def _build(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str,
+               progress: Optional[Progress] = None) -> None:
         """Export and compile the step into a new directory beside `directory`, then rename it into place."""
         import torch._inductor  # only to build: loading a package needs none of it
 
@@ -247,13 +353,13 @@ class _StoredSteps:
             # torch's own deprecation warnings from inside export and Inductor are not the user's business.
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore", FutureWarning)
-                exported = torch.export.export(self._module, args, strict=False, dynamic_shapes=dynamic_shapes)
+                exported = torch.export.export(_shadow(self._module), args, strict=False, dynamic_shapes=dynamic_shapes)
                 if exported.constants:
                     unsupported = (f"the step holds {len(exported.constants)} tensors that are not the model's "
                                    "parameters or buffers")
                     meta = {"key": fields, "unsupported": unsupported}  # remembered: no later run exports again
                 else:
-                    with step(self.progress, what), \
+                    with step(progress or self.progress, what), \
                             torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False,
                                                           "aot_inductor.custom_ops_to_c_shims": kernels.c_shims()}):
                         torch._inductor.aoti_compile_and_package(exported, package_path=str(staging / PACKAGE))
@@ -289,8 +395,9 @@ class AheadOfTimeStep(_StoredSteps):
                 and all(type(c) is KVCache and c.cache_k.is_contiguous() and c.cache_v.is_contiguous() for c in cache)
                 and cache[0].max_seq_len >= _MIN_CACHE)
 
-    def __call__(self, tokens: torch.Tensor, start_pos: int, cache: List[KVCache], num_logits: Optional[int] = None):
-        runner = self.runner(tokens.shape[0])
+    def __call__(self, tokens: torch.Tensor, start_pos: int, cache: List[KVCache], num_logits: Optional[int] = None,
+                 runner: Optional[Callable] = None):
+        runner = runner or self.runner(tokens.shape[0])
         input_pos = torch.full((tokens.shape[0], 1), start_pos, dtype=torch.long, device=tokens.device)
         kv = [t for c in cache for t in (c.cache_k[: tokens.shape[0]], c.cache_v[: tokens.shape[0]])]
         # The package reads its inputs with the strides it was compiled for, unchecked: contiguous ones. generate()
@@ -330,8 +437,9 @@ class PagedStep(_StoredSteps):
     def size_range(batch_size: int):
         return next(r for r in _PAGED_RANGES if r[0] <= batch_size <= r[1])
 
-    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        runner = self.runner(self.size_range(tokens.shape[0]))
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor,
+                 runner: Optional[Callable] = None) -> torch.Tensor:
+        runner = runner or self.runner(self.size_range(tokens.shape[0]))
         return runner(tokens.contiguous(), input_pos.contiguous(), [tables.contiguous(), *self._tensors])
 
     def _example(self, size):

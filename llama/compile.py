@@ -9,19 +9,22 @@ torch.compile, with positions, the KV cache's length and (without the cache) the
 symbolic sizes, so one compilation serves every step of every later call with the same batch size.
 """
 
+import atexit
 import os
 import re
+import sys
 from typing import List, Optional, Union
 
 import torch
 
 from llama import aot, kernels
+from llama.kernels import build
 from llama.aot import AheadOfTimeStep, Unsupported, quiet_inductor
 from llama.errors import LlamaError, first_line
 from llama.kv_cache import KVCache
 from llama.linears import choose_layer_classes
 from llama.model import Transformer
-from llama.progress import Progress
+from llama.progress import Progress, or_silent, step as progress_step
 
 # Sources (the compiled forward's arguments, as Dynamo names them) whose values change from step to step.
 # Left static, each new value would trigger a compilation, each of them slow (docs/benchmarks.md).
@@ -93,7 +96,12 @@ class CompiledStep:
                  num_logits: Optional[int] = None) -> torch.Tensor:
         if self.ahead_of_time is not None and self.ahead_of_time.accepts(tokens, cache, num_logits):
             try:
-                return self.ahead_of_time(tokens, start_pos, cache, num_logits)
+                if not self.eager_otherwise:  # compile=True: wait for the package
+                    return self.ahead_of_time(tokens, start_pos, cache, num_logits)
+                # The default: the stored step once it is ready, the eager one (the same bits) until then.
+                runner = self.ahead_of_time.ready(tokens.shape[0])
+                if runner is not None:
+                    return self.ahead_of_time(tokens, start_pos, cache, num_logits, runner=runner)
             except Unsupported:
                 self.ahead_of_time = None  # every step goes the way below from here on
         if self.eager_otherwise:
@@ -108,14 +116,52 @@ class CompiledStep:
 
     def describe(self) -> str:
         """How the step came to be, for --stats: "ahead of time, loaded from disk" or "built and stored",
-        "torch.compile", or "eager" where nothing could be compiled."""
+        "ahead of time, being built" (the eager step runs meanwhile), "torch.compile", or "eager" where nothing
+        could be compiled."""
         if self.ahead_of_time is None:
             return "eager" if self.eager_otherwise else "torch.compile"
+        if self.ahead_of_time.building:
+            return "ahead of time, being built in the background; the eager step runs until it is ready"
         return "ahead of time, " + ("built and stored" if self.ahead_of_time.build_seconds else "loaded from disk")
+
+    def finish(self, progress: Optional[Progress] = None) -> None:
+        """Wait for the packages being built in the background to be stored, so that later processes load them;
+        told to `progress` as the build is. KeyboardInterrupt leaves them unbuilt: a later process builds them (a
+        package is written under a temporary name, then renamed, so none is ever read half-written)."""
+        ahead = self.ahead_of_time
+        if ahead is None or not ahead.building:
+            return
+        what = (f"storing the compiled decode step for later runs (once per model shape, in {aot.compiled_dir()}; "
+                "Ctrl-C skips it)")
+        if progress is None:
+            print(f"llama: {what}", file=sys.stderr, flush=True)
+        try:
+            with progress_step(or_silent(progress), what):
+                ahead.wait()
+        except KeyboardInterrupt:
+            return
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the packages being built in the background (none: at once); False if `timeout` seconds passed."""
+        return self.ahead_of_time is None or self.ahead_of_time.wait(timeout)
 
     @property
     def notes(self) -> List[str]:
         return self._notes + (self.ahead_of_time.notes if self.ahead_of_time is not None else [])
+
+
+# Steps whose packages are being built in the background, with the progress to tell: finished before the process
+# ends (`finish_background_builds`), so that later processes load them.
+_unfinished: List[tuple] = []
+
+
+@atexit.register
+def finish_background_builds() -> None:
+    """Wait for every package still being built in the background (each says so on its progress, or on stderr).
+    Runs at exit; a command that ends with os._exit calls it first."""
+    while _unfinished:
+        step, progress = _unfinished.pop()
+        step.finish(progress)
 
 
 def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False,
@@ -139,7 +185,14 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
     try:
         if step.ahead_of_time is not None:
             try:
-                step.ahead_of_time.runner(batch_size)  # loaded from its package, or built and stored first
+                if not eager_otherwise:
+                    step.ahead_of_time.runner(batch_size)  # loaded from its package, or built and stored first
+                    return step
+                reason = build.missing() if not step.ahead_of_time.stored(batch_size) else None
+                if reason is not None:  # said now, not when a build on the background thread fails
+                    raise CompileFailed(f"the stored step is built with a C++ compiler: {reason}")
+                if step.ahead_of_time.ready(batch_size) is None:  # built in the background; loaded now otherwise
+                    _unfinished.append((step, progress))
                 return step
             except Unsupported:
                 step.ahead_of_time = None

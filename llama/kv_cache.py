@@ -124,10 +124,18 @@ class KVCache(nn.Module):
         return self.cache_k[:bsz], self.cache_v[:bsz]
 
 
+def being_traced(x: torch.Tensor) -> bool:
+    """Whether `x` is a tracer's stand-in (torch.compile's, or torch.export's) rather than a tensor being computed.
+
+    Not `torch.compiler.is_compiling()`: that is one flag for the whole process, set while a step is exported or
+    compiled on a background thread (llama/aot.py), when the eager steps running meanwhile must stay eager."""
+    return torch.compiler.is_dynamo_compiling() or type(x) is not torch.Tensor
+
+
 def _check_positions(input_pos: torch.Tensor, limit: int) -> None:
     """Raise ValueError for a position outside 0 .. limit - 1 (skipped while compiling: an exported step
     cannot branch on a tensor's values, and an index out of range still fails there)."""
-    if torch.compiler.is_compiling() or input_pos.numel() == 0:
+    if being_traced(input_pos) or input_pos.numel() == 0:
         return
     low, high = int(input_pos.min()), int(input_pos.max())
     if low < 0 or high >= limit:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama.kernels import loaded as kernels_loaded  # loaded by the compiled step where they can be (llama/compile.py)
+from llama.kv_cache import being_traced
 from llama.pages import return_free_memory, shared_huge_pages
 from llama.quant_format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, dequantize_values, pack_int4, unpack_int4
 
@@ -72,7 +73,7 @@ def _rows(x: torch.Tensor):
 
 
 def _compiling_few_rows(x: torch.Tensor) -> bool:
-    return torch.compiler.is_compiling() and x.device.type == "cpu" and _rows(x) <= REDUCTION_MAX_ROWS
+    return being_traced(x) and x.device.type == "cpu" and _rows(x) <= REDUCTION_MAX_ROWS
 
 
 class ReductionLinear(nn.Linear):

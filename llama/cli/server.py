@@ -212,7 +212,9 @@ def _build(ckpt_dir, tokenizer_path, max_seq_len, parallel, kv_cache_size, block
     for note in runner.notes:
         print(f"llama-server: note: {as_flags(note)}", file=sys.stderr, flush=True)
     if runner.compiled is not None:
-        line += "; decode step compiled"
+        building = getattr(runner.compiled, "building", False)
+        line += "; decode step compiled" + (" in the background (the eager step serves, with the same answers, "
+                                            "until it is ready)" if building else "")
     return llama, runner, num_blocks, line
 
 

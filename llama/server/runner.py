@@ -19,6 +19,7 @@ from llama import aot, kernels
 from llama.aot import PagedStep, Unsupported
 from llama.compile import RECOMPILE_LIMIT, quiet_inductor
 from llama.errors import LlamaError, first_line
+from llama.kernels.build import missing
 from llama.generation import sample
 from llama.linears import choose_layer_classes
 from llama.kv_cache import PagedKVCache
@@ -135,7 +136,13 @@ class Runner:
         tables = torch.tensor([row.blocks + [row.blocks[0]] * (width - len(row.blocks)) for row in rows], device=self.device)
         tokens = torch.tensor([row.tokens for row in rows], device=self.device)
         input_pos = torch.tensor([[row.start + k for k in range(n)] for row in rows], device=self.device)
-        if compiled:
+        if compiled and isinstance(self.compiled, PagedStep):
+            # The default: the stored step for this many rows once it is ready (built in the background), the eager
+            # step until then, which gives the same bits.
+            runner = self.compiled.ready(PagedStep.size_range(len(rows)))
+            if runner is not None:
+                return self.compiled(tokens, input_pos, tables, runner=runner)
+        elif compiled:
             return self.compiled(tokens, input_pos, tables)
         caches = self.cache.for_step(tables, input_pos)
         return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=None if all_logits else 1)
@@ -228,8 +235,12 @@ def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int,
     if ahead:
         step = PagedStep(model, cache, progress)
         try:
+            if auto and missing() is not None:
+                raise RuntimeError(f"the stored step is built with a C++ compiler: {missing()}")
             for size in sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)}):
-                step.runner(size)
+                # The default serves at once: packages not stored yet are built in the background, and each runs
+                # from the first step after it is ready. compile=True waits for them.
+                step.ready(size) if auto else step.runner(size)
         except Unsupported as e:
             if not auto:
                 raise LlamaError(f"compile=True failed: the server's step cannot be compiled ahead of time ({e})") from e

@@ -1,0 +1,91 @@
+"""The KV-cache switch on the real default model in the mode users get with no flag: cached steps on the stored
+compiled decode step, uncached passes eager. Tiny random models cannot show a difference between the two (they
+keep rounding gaps small); 30 layers of activations rounded to int8 turn any into a different text within a few
+tokens. So: 8 prompts of mixed kinds x 48 greedy tokens, for float32, int8 and int4, and for int8 and int4 on every
+kernel path this CPU runs.
+
+What holds (README, "What the switch guarantees"): on the integer kernels the same tokens and the same
+log-probabilities bit for bit; in float32 the same tokens, log-probabilities within FLOAT32_BOUND (the compiled
+step's products sum in another order than MKL's).
+"""
+
+import pytest
+import torch
+
+from llama import Llama, kernels
+from llama.download import default_model_dir
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Three things to pack for a hike:",
+    "<|im_start|>user\nWhat is the boiling point of water?<|im_end|>\n<|im_start|>assistant\n",
+    "1, 1, 2, 3, 5, 8,",
+    "Translate to French: good morning, my friend.",
+    "import numpy as np\n\narr = np.",
+    "Le chat est sur",
+]
+TOKENS = 48
+FLOAT32_BOUND = 1e-4  # largest |cached - uncached| log-probability seen over these prompts: 1.4e-5
+
+
+def _build(quantize):
+    llama = Llama.build(default_model_dir(), max_seq_len=128, max_batch_size=1, device="cpu", dtype="float32",
+                        quantize=quantize, compile="auto")
+    assert llama.compiled_step is not None
+    llama.compiled_step.wait()  # a first run builds it in the background; the test is of the stored step
+    assert llama.compiled_step.describe().startswith("ahead of time, "), llama.compiled_step.describe()
+    return llama
+
+
+@pytest.fixture(scope="module", params=[None, "int8", "int4"], ids=["float32", "int8", "int4"])
+def llama(request) -> Llama:
+    return _build(request.param)
+
+
+def _greedy(llama: Llama, ids, kv_cache: bool):
+    (tokens,), (logprobs,) = llama.generate([ids], TOKENS, temperature=0, logprobs=True, ignore_stop=True,
+                                            kv_cache=kv_cache)
+    return tokens, torch.tensor(logprobs, dtype=torch.float64)
+
+
+def test_cache_on_and_off_give_the_same_answer_in_the_default_mode(llama):
+    integer = llama.info.quant_kernels == "integer"
+    assert integer == (llama.info.quantization is not None)  # the quantized models run on the integer kernels
+    for prompt in PROMPTS:
+        ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
+        cached, lp_cached = _greedy(llama, ids, kv_cache=True)
+        uncached, lp_uncached = _greedy(llama, ids, kv_cache=False)
+        assert cached == uncached, prompt
+        if integer:
+            assert torch.equal(lp_cached, lp_uncached), (prompt, (lp_cached - lp_uncached).abs().max().item())
+        else:
+            assert (lp_cached - lp_uncached).abs().max().item() <= FLOAT32_BOUND, prompt
+
+
+@pytest.fixture(scope="module")
+def paths():
+    assert kernels.load()
+    best = kernels.best_path()
+    return [p for p in kernels.cpu_paths() if p != best]  # the best one runs in the test above
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_every_kernel_path_keeps_the_switch_exact(method, paths):
+    """Each path the CPU has, forced as LLAMA_KERNEL_PATH forces it, through the same stored step. The uncached side
+    is one pass over the whole cached output (what each uncached step computes for its last position, the kernels'
+    rows being independent), so that the scalar path stays affordable."""
+    llama = _build(method)
+    for path in paths:
+        with kernels.options(path=path):
+            for prompt in PROMPTS:
+                ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
+                cached, lp_cached = _greedy(llama, ids, kv_cache=True)
+                with torch.inference_mode():
+                    logits = llama.model(torch.tensor([ids + cached[:-1]]), 0)[0, len(ids) - 1:]  # (TOKENS, vocab)
+                logprobs = torch.log_softmax(logits, dim=-1)
+                assert logprobs.argmax(-1).tolist() == cached, (path, prompt)
+                uncached = logprobs.gather(1, torch.tensor(cached)[:, None])[:, 0].double()
+                assert torch.equal(uncached, lp_cached), (path, prompt, (uncached - lp_cached).abs().max().item())
