@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from llama import Llama
-from llama.checkpoint import params_dict, save_checkpoint
+from llama.io.checkpoint import params_dict, save_checkpoint
 from llama.model import ModelArgs
-from llama.random_weights import random_state_dict, write_random_checkpoint
+from llama.io.random_weights import random_state_dict, write_random_checkpoint
 from llama.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -185,7 +185,7 @@ def first_stop(tokens: List[int], stop_ids) -> int:
 
 def dequantize_stored(state: dict, prefix: str) -> torch.Tensor:
     """The float32 (out, in) weight that the quantized tensors `{prefix}weight`, `scales` (and `mins`) of a state
-    dict stand for, worked out here from the on-disk format (llama/quant_format.py) rather than by the library,
+    dict stand for, worked out here from the on-disk format (llama/quant/format.py) rather than by the library,
     so that a test comparing a layer with it compares two independent computations.
 
     int8: value x scale of its group. int4: two values a byte, column 2j in the low nibble and 2j + 1 in the
@@ -301,7 +301,7 @@ def write_gguf(model, path: Path) -> Path:
 def without_kernels(llama: Llama) -> Llama:
     """A copy of a loaded model whose quantized layers take the exact fallback (widening the weight), as a
     torch without the private quantized kernels would run it."""
-    from llama.linears import Int4KernelLinear, Int8KernelLinear, choose_layer_classes
+    from llama.quant.linears import Int4KernelLinear, Int8KernelLinear, choose_layer_classes
 
     model = choose_layer_classes(copy.deepcopy(llama.model), kernels=False)
     assert not any(isinstance(m, (Int8KernelLinear, Int4KernelLinear)) for m in model.modules())

@@ -4,7 +4,7 @@ import csv
 import json
 
 from helpers import build, run
-from llama.bench import measure
+from llama.eval.speed import measure
 
 
 def test_measure_times_every_step_and_ignores_stop_tokens(gqa_ckpt):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import EXAMPLE_TOKENIZER, build, tiny_args, write_tiny
-from llama.random_weights import write_random_checkpoint
-from llama.devices import resolve_device, resolve_dtype
+from llama.io.random_weights import write_random_checkpoint
+from llama.runtime.devices import resolve_device, resolve_dtype
 from llama.errors import LlamaError
 
 

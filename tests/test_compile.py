@@ -13,7 +13,7 @@ import torch
 
 from helpers import build, run
 from llama.kernels.build import missing
-from llama.linears import ReductionLinear, RowsLinear
+from llama.quant.linears import ReductionLinear, RowsLinear
 
 pytestmark = [
     pytest.mark.slow,
@@ -227,7 +227,7 @@ def test_a_model_the_package_cannot_hold_is_remembered_and_never_exported_again(
 def test_a_torch_the_stored_step_was_not_checked_on_runs_eagerly_with_a_note(gqa_ckpt, tmp_path, monkeypatch):
     """torch 2.11 crashes loading a package (a segmentation fault in its loader): older torches never build or load
     one. The default then runs eagerly and says why; nothing is stored."""
-    from llama import aot
+    from llama.compile import aot
 
     monkeypatch.setattr(aot, "SUPPORTED", False)
     monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
@@ -240,7 +240,7 @@ def test_a_torch_the_stored_step_was_not_checked_on_runs_eagerly_with_a_note(gqa
 def test_build_readies_the_batch_size_asked_for_and_no_other(gqa_ckpt, monkeypatch):
     """llama-generate --prompts-file with N prompts runs at batch size N: the package for N is the one loaded (or
     built) before generating, not batch 1's as well."""
-    from llama import aot
+    from llama.compile import aot
 
     asked = []
 

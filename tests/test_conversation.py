@@ -11,9 +11,9 @@ import pytest
 from helpers import chat, chat_stats, write_tiny
 from llama import Llama
 from llama.convert.llama2_vocab import TOKENIZER_MODEL, fetch_llama2_vocab
-from llama.conversation import Conversation
+from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
-from llama.prompt_cache import PromptCacheError
+from llama.io.prompt_cache import PromptCacheError
 MESSAGES = ["Hello! Who are you?", "What is the capital of France?", "And the capital of Italy?", "/reset",
             "Name three colours.", "Why is the sky blue?", "Thank you, goodbye."]
 
@@ -82,7 +82,7 @@ def test_llama2_format_replies_equal_fresh_runs_and_feed_only_the_new_tokens(lla
 
 @pytest.mark.slow
 def test_chatml_replies_on_the_default_model_equal_fresh_runs():
-    from llama.download import default_model_dir
+    from llama.convert.fetch import default_model_dir
 
     llama = Llama.build(default_model_dir(), max_seq_len=1024, max_batch_size=1, device="cpu", dtype="float32")
     assert llama.tokenizer.chat_format == "chatml"

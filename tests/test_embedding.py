@@ -1,4 +1,4 @@
-"""A GGUF's quantized embedding kept in its blocks (llama/embedding.py): the rows a lookup gives are the file's
+"""A GGUF's quantized embedding kept in its blocks (llama/quant/embedding.py): the rows a lookup gives are the file's
 values bit for bit, so the model computes exactly what it computes with the embedding widened to float, in every
 place the embedding is used (eager, the server's batched step, sessions and prompt caches, `compile=True`,
 `torchrun`), and the memory check counts its true bytes.
@@ -20,13 +20,13 @@ import torch
 
 from gguf_writer import Q, write_llama_gguf
 from helpers import build, generate_json
-from llama.checkpoint import CheckpointReader, expected_shapes, model_args, read_params, save_checkpoint
+from llama.io.checkpoint import CheckpointReader, expected_shapes, model_args, read_params, save_checkpoint
 from llama.convert.gguf import convert_gguf, converted_bytes
-from llama.embedding import QuantizedEmbedding
-from llama.identity import model_identity
-from llama.prompt_cache import load_prompt_cache, restore, save_prompt_cache
-from llama.session import Session
-from llama.weights import model_bytes, resolve_plan
+from llama.quant.embedding import QuantizedEmbedding
+from llama.io.identity import model_identity
+from llama.io.prompt_cache import load_prompt_cache, restore, save_prompt_cache
+from llama.nn.session import Session
+from llama.io.weights import model_bytes, resolve_plan
 
 TYPES = {Q.Q8_0: "int8", Q.Q4_0: "int4", Q.Q4_1: "int4"}
 # Where a cached run is compared with an uncached one, the exact paths: these models mix F16 layers with Q8_0 ones,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import build
-from llama.aot import PagedStep
+from llama.compile.aot import PagedStep
 from llama.generation import Llama
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs
 from llama.server.runner import Runner
@@ -185,7 +185,7 @@ def test_logprobs_equal_generate_s_including_the_echoed_prompt(llama):
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
 @pytest.mark.parametrize("how", ["stored", "torch.compile"])
 def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt, how, monkeypatch):
-    """On the CPU the step comes from stored packages (llama/aot.py's PagedStep: one row, and 2-16 rows), as
+    """On the CPU the step comes from stored packages (llama/compile/aot.py's PagedStep: one row, and 2-16 rows), as
     llama-server's default; LLAMA_COMPILE_AOT=0 (and a GPU) compile it with torch.compile instead."""
     if how == "torch.compile":
         monkeypatch.setenv("LLAMA_COMPILE_AOT", "0")
@@ -199,7 +199,7 @@ def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt, how, monk
 def test_the_block_size_is_part_of_a_stored_server_steps_key(gqa_ckpt):
     """The generated code holds the block size in its index arithmetic: a package built for blocks of 4 read past
     the pool of a server with blocks of 16 (an earlier version, which keyed packages without it)."""
-    from llama.aot import _key, describe_key
+    from llama.compile.aot import _key, describe_key
 
     model = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN).model
     keys = {_key(describe_key(model, [2, 16], "paged", PagedStep(model, model.new_paged_kv_cache(8, bs)).key_extra))

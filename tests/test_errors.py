@@ -12,7 +12,7 @@ import torch
 from gguf_writer import write_llama_gguf
 from helpers import BIN, assert_one_line_error, build, convert_cli, generate, write_tiny
 from llama.errors import LlamaError
-from llama.random_weights import PRESETS
+from llama.io.random_weights import PRESETS
 
 
 def _set(path, name, text):
@@ -173,7 +173,7 @@ def test_a_full_disk_during_convert_leaves_nothing(tmp_path):
 
 
 def test_an_interrupted_save_leaves_nothing(tmp_path, monkeypatch):
-    from llama.checkpoint import save_checkpoint
+    from llama.io.checkpoint import save_checkpoint
 
     calls = []
 

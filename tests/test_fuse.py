@@ -1,16 +1,16 @@
-"""llama/fuse.py: projections of the same input made one product on the integer kernels, with the same bits."""
+"""llama/quant/fuse.py: projections of the same input made one product on the integer kernels, with the same bits."""
 
 import pytest
 import torch
 
 from helpers import build
-from llama import fuse as fuse_module
+from llama.quant import fuse as fuse_module
 from llama import kernels
-from llama.fuse import FusedAttention, FusedFeedForward
-from llama.int_linears import Int4DotLinear, Int8DotLinear, Int8SixteensDotLinear
+from llama.quant.fuse import FusedAttention, FusedFeedForward
+from llama.quant.dot_linears import Int4DotLinear, Int8DotLinear, Int8SixteensDotLinear
 from llama.kernels.build import missing
 from llama.model import Attention, FeedForward
-from llama.quantize import quantize_model
+from llama.quant.quantize import quantize_model
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
 

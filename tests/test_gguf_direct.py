@@ -17,11 +17,11 @@ import torch
 from helpers import PROMPT, REPO, assert_one_line_error, run, save_hf, tiny_hf_model, write_gguf
 from gguf_writer import write_llama_gguf
 from llama import Llama
-from llama.checkpoint import load_shard
+from llama.io.checkpoint import load_shard
 from llama.convert import cache
 from llama.convert.cache import MANIFEST, entry_damage, resolve_checkpoint, sample_digest
 from llama.errors import LlamaError
-from llama.paths import home_dir
+from llama.runtime.paths import home_dir
 
 pytest.importorskip("transformers")
 
@@ -397,7 +397,7 @@ def test_llama_download_lists_and_clears_the_converted(sources, home):
 def real_gguf():
     """The default model's GGUF in the real $LLAMA_HOME (fetched if missing): module fixtures are set up
     before the function-scoped `home` moves LLAMA_HOME."""
-    from llama.download import default_model_gguf
+    from llama.convert.fetch import default_model_gguf
 
     path = default_model_gguf(fetch=True)
     assert path.is_relative_to(REAL_HOME)

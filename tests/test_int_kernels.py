@@ -13,7 +13,7 @@ the rounding with the same float32 operations and the dot products in exact inte
   whose minimums add a second term per block); bf16 activations add the output's rounding to bf16;
 - every instruction path gives the scalar loop's very bits, at 1 and 2 threads, and a row's output does not
   depend on the rows beside it;
-- so, with attention computed row by row too (llama/row_attention.py), a model on the integer kernels gives the
+- so, with attention computed row by row too (llama/nn/row_attention.py), a model on the integer kernels gives the
   same logits cached and uncached, bit for bit.
 
 The optional dequantize-then-GEMM (kernels.options(gemm_min_rows=...); off by default, as the integer kernel
@@ -30,14 +30,14 @@ import torch
 
 from helpers import REPO, build
 from llama import kernels
-from llama import quant_format as qf
-from llama.int_linears import Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear, Int8SixteensDotLinear
+from llama.quant import format as qf
+from llama.quant.dot_linears import Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear, Int8SixteensDotLinear
 from llama.kernels import layout
 from llama.kernels.build import missing
-from llama.linears import Int4Linear, Int8KernelLinear, Int8Linear, QuantizedLinear
+from llama.quant.linears import Int4Linear, Int8KernelLinear, Int8Linear, QuantizedLinear
 from llama.model import ScaledDotProductAttention
-from llama.row_attention import RowExactAttention
-from llama.quantize import quantize_model
+from llama.nn.row_attention import RowExactAttention
+from llama.quant.quantize import quantize_model
 
 # Skipped only where the machine lacks what building the kernels takes (an x86 CPU, a compiler, ninja): a build
 # that fails where all of it is here is a defect (torch 2.14's headers need C++20, and a -std=c++17 of ours failed
@@ -360,7 +360,7 @@ def test_a_kernel_layer_holds_the_stored_values_and_multiplies_them(method, grou
     """Re-packed a slice of rows at a time (per-channel and larger groups as blocks of 32 with each scale
     repeated), a layer gives back its on-disk tensors exactly, and its product is the kernel's. int4 whose
     minimums are all -8 times their scales (a GGUF's Q4_0) becomes the class that stores no minimums."""
-    import llama.int_linears as int_linears
+    import llama.quant.dot_linears as int_linears
 
     gen = torch.Generator().manual_seed(7)
     stored = _layer("int8" if method == "int8" else "int4", 75, 256, group_size, gen)
@@ -388,7 +388,7 @@ def test_a_kernel_layer_holds_the_stored_values_and_multiplies_them(method, grou
 def test_int8_groups_of_16_run_on_the_kernel_with_a_scale_for_each_half(monkeypatch):
     """A GGUF's Q6_K becomes int8 in groups of 16 (llama.cpp's default output layer for Q4_0): held as Q8_0's blocks
     with two scales each, the layer gives back its on-disk tensors exactly, and its product is the kernel's."""
-    import llama.int_linears as int_linears
+    import llama.quant.dot_linears as int_linears
 
     gen = torch.Generator().manual_seed(11)
     stored = _layer("int8", 75, 256, 16, gen)
@@ -407,7 +407,7 @@ def test_int8_groups_of_16_run_on_the_kernel_with_a_scale_for_each_half(monkeypa
 def test_a_model_in_groups_of_16_keeps_the_cache_switch_and_its_classes(gqa_ckpt):
     """Choosing the layers again (as the compiled step does after loading) keeps them, and cached and uncached runs
     give the same tokens."""
-    from llama.linears import choose_layer_classes
+    from llama.quant.linears import choose_layer_classes
 
     llama = build(gqa_ckpt)
     quantize_model(llama.model, "int8", group_size=16)
@@ -444,7 +444,7 @@ def test_quantized_cpu_models_run_on_the_kernels_unless_asked_for_the_exact_path
 
 def test_what_the_kernels_cannot_hold_stays_on_the_exact_paths(gqa_ckpt):
     """float16 activations, and int8 groups of 16 (what a GGUF's Q6_K becomes) among them."""
-    from llama.linears import layer_class
+    from llama.quant.linears import layer_class
     sixteens = _layer("int8", 64, 64, 16, torch.Generator().manual_seed(0))
     assert layer_class(sixteens, torch.float16, compiled=False) not in (Int8DotLinear, Int4DotLinear, Int8SixteensDotLinear)
     assert layer_class(sixteens, torch.float32, compiled=False, integer=True) is Int8SixteensDotLinear
@@ -461,7 +461,7 @@ PROMPTS = [[1, 50, 7, 99], [1, 3000], [1, 17, 933, 2, 2, 45, 3001, 12]]
 def test_cache_switch_gives_the_same_bits(tiny_ckpt, method):
     """Every row-wise step of a model on the integer kernels gives a position the same bits whether it is fed
     alone (a cached step) or among all positions (an uncached pass): the kernels' rows are independent and
-    attention is row-exact (llama/row_attention.py). So cached and uncached logits are equal, not merely close.
+    attention is row-exact (llama/nn/row_attention.py). So cached and uncached logits are equal, not merely close.
     (With torch's fused attention they differed by 1e-7, which rounding activations to 8 bits turned, now and
     then, into a step of a whole int8 unit; on the 30 layers of the default model those grew until the greedy
     text parted after 1 to 20 tokens on 2 to 4 of 4 prompts.)"""

@@ -1,4 +1,4 @@
-"""llama/pages.py: the buffers the integer kernels stream ask for 2 MiB pages, in private memory of their own."""
+"""llama/runtime/pages.py: the buffers the integer kernels stream ask for 2 MiB pages, in private memory of their own."""
 
 import sys
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llama.kernels.build import missing
-from llama.pages import HUGE_PAGE, huge_empty, shared_huge_pages
+from llama.runtime.pages import HUGE_PAGE, huge_empty, shared_huge_pages
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
 
@@ -67,7 +67,7 @@ def test_small_buffers_share_a_mapping_with_2_mib_pages_while_asked_to():
 @pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
 def test_a_quantized_models_small_layers_are_on_2_mib_pages(gqa_ckpt):
     from helpers import build
-    from llama.int_linears import _DotLinear
+    from llama.quant.dot_linears import _DotLinear
 
     llama = build(gqa_ckpt, quantize="int8")
     layers = [m for m in llama.model.modules() if isinstance(m, _DotLinear)]

@@ -10,7 +10,7 @@ import torch
 from helpers import REPO, assert_one_line_error, build, run
 from llama.cli.perplexity import cli
 from llama.errors import LlamaError
-from llama.perplexity import perplexity, window_starts
+from llama.eval.likelihood import perplexity, window_starts
 
 CTX = 16
 

@@ -17,10 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
 from helpers import PROMPT, build, generate, run, write_tiny
-from llama.files import sha256_file
-from llama.identity import file_digests, model_identity
-from llama.prompt_cache import PromptCacheError, load_prompt_cache, restore, save_prompt_cache
-from llama.session import Session
+from llama.runtime.files import sha256_file
+from llama.io.identity import file_digests, model_identity
+from llama.io.prompt_cache import PromptCacheError, load_prompt_cache, restore, save_prompt_cache
+from llama.nn.session import Session
 from llama.tokenizer import Tokenizer
 
 
@@ -110,7 +110,7 @@ def test_a_weight_file_changed_in_place_is_hashed_again(gqa_ckpt, tmp_path):
 
 @pytest.mark.parametrize("size", [0, 1, (1 << 18) - 1, 1 << 18, (1 << 18) + 1, 3 * (1 << 18) + 5])
 def test_a_files_digest_is_the_sha256_of_every_byte(tmp_path, size):
-    """sha256_file reads through one buffer (llama/files.py): files shorter, as long and longer than it, and
+    """sha256_file reads through one buffer (llama/runtime/files.py): files shorter, as long and longer than it, and
     several buffers long with a remainder, are hashed whole."""
     data = os.urandom(size)
     path = tmp_path / "f.bin"

@@ -16,16 +16,16 @@ from torch import nn
 
 import helpers
 from helpers import EXAMPLE_TOKENIZER, dequantize_stored, tiny_args, without_kernels, write_tiny
-from llama import quant_format as qf
-from llama.checkpoint import save_checkpoint
+from llama.quant import format as qf
+from llama.io.checkpoint import save_checkpoint
 from llama.errors import LlamaError
 from llama.generation import Llama
-from llama.linears import (
+from llama.quant.linears import (
     HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
     Int8ReductionLinear,
 )
-from llama.quantize import quantize_model, slow_path_note
-from llama.random_weights import random_state_dict
+from llama.quant.quantize import quantize_model, slow_path_note
+from llama.io.random_weights import random_state_dict
 
 METHODS = ["int8", "int4"]
 
@@ -136,7 +136,7 @@ def test_bf16_kernels_match_the_float32_model_of_the_same_weights(quantized_bf16
 
 
 def test_the_slow_path_note_names_only_what_applies(monkeypatch):
-    import llama.quantize as quantize
+    import llama.quant.quantize as quantize
 
     plan = {"output.weight": ("int4", 32)}
     assert "compile=True" in slow_path_note(plan) and "compile=True" not in slow_path_note(plan, world_size=2)
@@ -285,7 +285,7 @@ def test_loading_and_converting_group_a_width_32_does_not_divide_alike(tmp_path)
     """A feed-forward width of 200 is not a multiple of 32: w2 gets groups of 8 (the largest that divides it),
     whether the model is quantized while loading or by llama-convert --quantize, and the two hold the same
     tensors."""
-    from llama.convert.quantize import convert_meta
+    from llama.convert.quantize_checkpoint import convert_meta
 
     ckpt, _ = write_tiny(tmp_path / "wide", hidden_dim=200)
     loaded = build(ckpt, quantize="int4")

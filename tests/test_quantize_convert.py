@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from llama import quant_format
+from llama.quant import format as quant_format
 from llama.convert.gguf import convert_gguf
 from llama.convert.gguf_quant import keep_quantized
 
@@ -58,7 +58,7 @@ def test_q8_0_q4_0_q4_1_are_kept_without_any_loss(tmp_path, qtype):
     linear = [n for n in sd if quant_format.is_linear_weight(n)]
     assert len(linear) == 2 * 7 + 1
     expected_method = "int8" if qtype == Q.Q8_0 else "int4"
-    for name in linear + ["tok_embeddings.weight"]:  # the embedding's blocks are kept too (llama/embedding.py)
+    for name in linear + ["tok_embeddings.weight"]:  # the embedding's blocks are kept too (llama/quant/embedding.py)
         assert quant_format.method_of(sd, name) == expected_method, name
         assert sd[f"{name.removesuffix('.weight')}.scales"].dtype == torch.float16
         t_type, data, shape = raw[gguf_name(name)]
@@ -189,8 +189,8 @@ def test_errors_are_one_line_and_leave_nothing(tmp_path):
 
 
 def test_quantized_checkpoint_shards_and_loads_weights_only(tmp_path):
-    from llama.checkpoint import save_checkpoint
-    from llama.convert.quantize import quantize_state_dict
+    from llama.io.checkpoint import save_checkpoint
+    from llama.convert.quantize_checkpoint import quantize_state_dict
 
     src, float_sd = write_tiny(tmp_path / "float")
     quantized = quantize_state_dict(float_sd, "int4")
@@ -246,7 +246,7 @@ def test_quantize_a_hugging_face_directory_memory_mapped(tmp_path):
 def default_gguf() -> Path:
     """The default model's own GGUF file (Q4_1 projections, a Q8_0 embedding), fetched on first use: this test
     runs, alone or with -k, whether or not another test fetched it before."""
-    from llama.download import default_model_gguf
+    from llama.convert.fetch import default_model_gguf
 
     return default_model_gguf()
 

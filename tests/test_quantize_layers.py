@@ -5,7 +5,7 @@ the activations' dtype), for 1 to 4 rows (decoding a batch of 1 to 4) and for 32
 by exactly those values. These are the exact weight-only paths (quant_kernels="exact"): the integer kernels,
 the CPU's default, round the activations too and are tested against their own reference in test_int_kernels.py.
 
-The tests at the end name the int4 layer classes of llama/linears.py (one per in-memory layout) and the
+The tests at the end name the int4 layer classes of llama/quant/linears.py (one per in-memory layout) and the
 quantizer's scratch size: they follow the layer classes rather than what a user sees.
 """
 
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from helpers import build, dequantize_stored
-from llama import quant_format as qf
-from llama.linears import HAS_INT4_KERNEL, Int4HalvesLinear, Int4KernelLinear, Int4Linear, choose_layer_classes
-from llama.quantize import quantize_weight
+from llama.quant import format as qf
+from llama.quant.linears import HAS_INT4_KERNEL, Int4HalvesLinear, Int4KernelLinear, Int4Linear, choose_layer_classes
+from llama.quant.quantize import quantize_weight
 
 METHODS = ["int8", "int4"]
 ROWS = [1, 2, 3, 4, 32]
@@ -127,7 +127,7 @@ def test_quantization_error_is_what_the_format_allows(method):
 
 
 def test_quantizing_in_chunks_equals_quantizing_at_once(monkeypatch):
-    import llama.quantize as quantize
+    import llama.quant.quantize as quantize
 
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(2))
     whole = quantize_weight(w, "int4", 32)
@@ -164,7 +164,7 @@ def test_int4_kernel_layout_gives_back_the_stored_values(models, gqa_ckpt):
 def test_every_int4_layout_holds_the_same_values(models, monkeypatch):
     """format -> halves -> kernel -> halves -> format: the values, scales and state_dict never change, also
     when a layer is re-packed a slice of rows at a time."""
-    import llama.linears as linears
+    import llama.quant.linears as linears
 
     layer = models["int4", "float32"].layers[0].feed_forward.w1
     assert layer.out_features == 192

@@ -16,11 +16,11 @@ import torch
 
 from helpers import BIN, EXAMPLE_TOKENIZER, TORCHRUN, build, generate_json, tiny_args, write_tiny
 from llama import kernels
-from llama import quant_format as qf
-from llama.checkpoint import params_dict, save_checkpoint
+from llama.quant import format as qf
+from llama.io.checkpoint import params_dict, save_checkpoint
 from llama.kernels.build import missing
 from llama.model import ModelArgs
-from llama.random_weights import write_random_checkpoint
+from llama.io.random_weights import write_random_checkpoint
 
 PROMPTS = ["I believe the meaning of life is", "Hello", "def fibonacci(n):"]
 # Meta's RowParallelLinear layers: each rank holds a slice of every row (its input columns).
@@ -170,11 +170,11 @@ def _peak(path, dtype, quantize):
 ])
 def test_peak_memory_of_loading_is_what_the_memory_check_reckons(mid_ckpt, gqa_ckpt, dtype, quantize, limit):
     """Peak resident memory while loading and generating, less what a tiny model costs (the tokenizer,
-    kernels' workspaces), must stay within what llama.weights.peak_bytes told the memory check, and far
+    kernels' workspaces), must stay within what llama.io.weights.peak_bytes told the memory check, and far
     below holding the checkpoint twice."""
-    from llama.checkpoint import expected_shapes, read_params
-    from llama.weights import peak_bytes
-    from llama.quantize import plan_for
+    from llama.io.checkpoint import expected_shapes, read_params
+    from llama.io.weights import peak_bytes
+    from llama.quant.quantize import plan_for
 
     path, nbytes = mid_ckpt
     grown = _peak(path, dtype, quantize) - _peak(gqa_ckpt, dtype, quantize)
@@ -197,15 +197,15 @@ def bf16_tiny(tmp_path_factory):
 
 def _needs(path):
     """What loading the tiny bf16 checkpoint needs in float32 and in bf16, by the loader's own reckoning."""
-    from llama.checkpoint import expected_shapes
-    from llama.weights import peak_bytes
+    from llama.io.checkpoint import expected_shapes
+    from llama.io.weights import peak_bytes
 
     full = expected_shapes(tiny_args("gqa"))
     return peak_bytes(full, {}, torch.float32, 1, 1, 2), peak_bytes(full, {}, torch.bfloat16, 1, 1, 2)
 
 
 def test_a_bf16_checkpoint_whose_float32_copy_cannot_fit_runs_in_bf16_with_a_note(bf16_tiny, monkeypatch):
-    import llama.weights as weights
+    import llama.io.weights as weights
     from llama.errors import LlamaError
 
     need32, need16 = _needs(bf16_tiny)
@@ -233,7 +233,7 @@ def test_a_model_too_big_is_refused_naming_what_would_fit(monkeypatch, free_gib,
     """LLaMA-2 7B's shapes (on the meta device: nothing is allocated) against a machine of `free_gib`."""
     import re
 
-    import llama.weights as weights
+    import llama.io.weights as weights
     from llama.errors import LlamaError
     from llama.model import ModelArgs
 

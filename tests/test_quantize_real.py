@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from llama import Llama
-from llama import quant_format as qf
-from llama.download import default_model_dir
+from llama.quant import format as qf
+from llama.convert.fetch import default_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def transformers_tokens():
     """transformers' 32 greedy tokens after each prompt, from the same GGUF file, stop tokens ignored."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file
-    from llama.download import default_model_gguf
+    from llama.convert.fetch import default_model_gguf
 
     path = default_model_gguf()
     model = transformers.LlamaForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
@@ -82,7 +82,7 @@ def file_quantized(tmp_path_factory):
     """The default model's GGUF converted keeping its blocks: Q4_1 projections as int4, the Q8_0 embedding and output
     layer as int8."""
     from llama.convert.gguf import convert_gguf
-    from llama.download import default_model_gguf
+    from llama.convert.fetch import default_model_gguf
 
     ckpt = convert_gguf(default_model_gguf(), tmp_path_factory.mktemp("q") / "smollm2-q4_1")
     # On the exact paths, whose claim these tests check (the integer kernels round activations too).

@@ -268,7 +268,7 @@ def test_eight_concurrent_clients_get_their_solo_answers(server, llama):
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
 def test_the_default_compiled_step_serves_concurrent_clients_their_solo_answers(ckpt, llama):
     """With no flag about compiling (LLAMA_COMPILE=auto, which conftest.py turns off for the other tests) the
-    server loads its decode step from stored packages (llama/aot.py: one row, and 2-16 rows), built first."""
+    server loads its decode step from stored packages (llama/compile/aot.py: one row, and 2-16 rows), built first."""
     # Two threads and blocks of 4, as in tests/test_engine.py's stored step of the same tiny shape: the packages it
     # stored serve here. (A package for another block size must not: the size is part of the key, as a run with
     # the default 16 after those of 4 once showed, reading past the pool.)

@@ -12,7 +12,7 @@ import torch
 
 from helpers import build
 from llama.errors import LlamaError
-from llama.session import Session, common_prefix_len
+from llama.nn.session import Session, common_prefix_len
 
 PROMPT = "I believe the meaning of life is"
 

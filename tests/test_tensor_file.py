@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from llama.checkpoint import load_checkpoint
-from llama.random_weights import random_state_dict, write_random_weights
-from llama.tensor_file import TensorFileWriter
+from llama.io.checkpoint import load_checkpoint
+from llama.io.random_weights import random_state_dict, write_random_weights
+from llama.io.tensor_file import TensorFileWriter
 
 from helpers import EXAMPLE_TOKENIZER, REPO, tiny_args
 

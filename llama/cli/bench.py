@@ -12,10 +12,10 @@ from typing import List
 
 import torch
 
-from llama.bench import Run, measure
+from llama.eval.speed import Run, measure
 from llama.cli.common import fail, run, whole_numbers
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
-from llama.files import write_atomically
+from llama.runtime.files import write_atomically
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 1024)
 

@@ -5,14 +5,14 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from llama.chat_format import has_special_tags
+from llama.chat.dialog import has_special_tags
 from llama.cli.common import as_flags, fail, run
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
-from llama.conversation import Conversation
+from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
 from llama.generation import check_sampling
-from llama.prompt_cache import PromptCacheError, check_writable
+from llama.io.prompt_cache import PromptCacheError, check_writable
 
 HELP = "Type a message and press Enter. /reset clears the history; Ctrl-D (or /exit) leaves."
 

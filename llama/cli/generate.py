@@ -10,9 +10,9 @@ from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_num
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
-from llama.identity import describe, model_identity
-from llama.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
-from llama.session import Session
+from llama.io.identity import describe, model_identity
+from llama.io.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
+from llama.nn.session import Session
 
 
 def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> List[str]:

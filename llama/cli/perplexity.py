@@ -5,8 +5,8 @@ from pathlib import Path
 
 from llama.cli.common import fail, run
 from llama.cli.loading import build_from_flags, is_main_rank, model_flag
-from llama.cli.progress import ProgressPrinter
-from llama.perplexity import check_ctx, perplexity, window_starts
+from llama.cli.printer import ProgressPrinter
+from llama.eval.likelihood import check_ctx, perplexity, window_starts
 
 
 def read_text(path: Path) -> str:

@@ -18,9 +18,9 @@ from typing import Union
 
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.loading import build_from_flags, compile_flag, model_flag
-from llama.cli.progress import ProgressPrinter
-from llama.devices import available_memory
-from llama.download import DEFAULT_MODEL
+from llama.cli.printer import ProgressPrinter
+from llama.runtime.devices import available_memory
+from llama.convert.fetch import DEFAULT_MODEL
 from llama.errors import LlamaError
 
 API_KEY_ENV = "LLAMA_API_KEY"
