@@ -29,8 +29,8 @@ from llama.nn.parallel import parallelize
 from llama.nn.session import Session
 from llama.runtime.progress import Progress
 from llama.quant.format import is_linear_weight, read_record
-from llama.quant.linears import QuantizedLinear
-from llama.quant.quantize import check_method, check_quant_kernels, describe, plan_for, slow_path_note
+from llama.quant.layer import QuantizedLinear
+from llama.quant.quantize import check_method, check_quant_kernels, describe_plan, plan_for, slow_path_note
 from llama.tokenizer import Tokenizer
 from llama.io.weights import choose_dtype, load_weights, resolve_plan
 
@@ -257,7 +257,7 @@ class Llama:
         if on_exact_paths and device.type == "cpu" and dtype == torch.float32 and not compile:
             notes.append(slow_path_note(plan, world_size))
         running = None if not quantized else "exact" if on_exact_paths else "integer"
-        info = LoadInfo(ckpt_dir, describe(plan), rank, world_size, notes, quant_kernels=running)
+        info = LoadInfo(ckpt_dir, describe_plan(plan), rank, world_size, notes, quant_kernels=running)
         llama = Llama(model, tokenizer, seed=seed, info=info)
         if compile:
             compile_start = time.perf_counter()

@@ -17,7 +17,7 @@ from typing import List, Optional
 from llama.chat.dialog import Dialog, Message
 from llama.errors import LlamaError
 from llama.generation import Llama, StepCallback
-from llama.io.identity import describe, model_identity
+from llama.io.identity import describe_model, model_identity
 from llama.io.prompt_cache import load_prompt_cache, restore, save_prompt_cache
 from llama.nn.session import Session
 
@@ -107,7 +107,7 @@ class Conversation:
         """Write the conversation and its KV cache to `path` (atomically), to be resumed by `resume`."""
         if self.session is None:
             raise LlamaError("saving a conversation keeps its KV cache, so it needs the cache on")
-        save_prompt_cache(path, self.session, self.identity(), describe(self.llama), dialog=self.dialog)
+        save_prompt_cache(path, self.session, self.identity(), describe_model(self.llama), dialog=self.dialog)
 
     def resume(self, path: Path) -> int:
         """Continue the conversation saved in `path`; returns how many of its messages were restored.

@@ -10,7 +10,7 @@ from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_num
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
-from llama.io.identity import describe, model_identity
+from llama.io.identity import describe_model, model_identity
 from llama.io.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
 from llama.nn.session import Session
 
@@ -212,7 +212,7 @@ def main(
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
             f"device:          {llama.device}",
-            f"compiled:        {f'yes ({llama.compiled_step.describe()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
+            f"compiled:        {f'yes ({llama.compiled_step.describe_origin()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"
             + (f", on the {llama.info.quant_kernels} kernels" if llama.info.quant_kernels else ""),
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
@@ -278,7 +278,7 @@ class PromptCacheFile:
         """Save the prompt's keys and values, unless the file holds exactly them already."""
         self.session.keep(len(prompt))  # the generated tokens are not part of the prompt
         if self.session.tokens != self.loaded and len(self.session.tokens) == len(prompt):
-            save_prompt_cache(self.path, self.session, self.identity, describe(self.llama))
+            save_prompt_cache(self.path, self.session, self.identity, describe_model(self.llama))
 
 
 def _timings(start: float, step_times: List[float], end: float) -> dict:

@@ -107,7 +107,7 @@ class CompiledStep:
                 torch._inductor.config.patch(cpp_wrapper=self._cpp_wrapper):
             return self._compiled(tokens, start_pos, cache, num_logits=num_logits)
 
-    def describe(self) -> str:
+    def describe_origin(self) -> str:
         """How the step came to be, for --stats: "ahead of time, loaded from disk" or "built and stored",
         "torch.compile", or "eager" where nothing could be compiled."""
         if self.ahead_of_time is None:

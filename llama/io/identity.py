@@ -111,7 +111,7 @@ def model_identity(llama) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def describe(llama) -> str:
+def describe_model(llama) -> str:
     """A few words naming the model, for messages: its directory's name and dtype."""
     ckpt_dir, quant = llama.info.ckpt_dir, llama.info.quantization
     name = Path(ckpt_dir).name if ckpt_dir is not None else "a model built in memory"

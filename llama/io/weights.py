@@ -25,7 +25,7 @@ from llama.runtime.progress import Progress, or_silent
 from llama.quant.embedding import swap_embedding
 from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, Plan, is_linear_weight, quantized_shapes
 from llama.quant.linears import choose_layer_classes
-from llama.quant.quantize import check_method, describe, layer_method, plan_for, quantize_weight, swap_linears
+from llama.quant.quantize import check_method, describe_plan, layer_method, plan_for, quantize_weight, swap_linears
 from llama.io.sharding import split_dim
 
 # Scratch for quantizing one weight (llama/quant/quantize.py works 2**22 elements at a time, float32, a few copies).
@@ -46,7 +46,7 @@ def resolve_plan(model: nn.Module, source: CheckpointReader, quantize: Optional[
     if plan:
         stored = {name: m for name, (m, _) in plan.items()}
         if quantize is not None and any(m not in (quantize, layer_method(name, quantize)) for name, m in stored.items()):
-            raise LlamaError(f"{source.ckpt_dir} is stored quantized as {describe(source.stored_plan)}; "
+            raise LlamaError(f"{source.ckpt_dir} is stored quantized as {describe_plan(source.stored_plan)}; "
                              f"quantize={quantize} would round its weights a second time: leave quantize= out "
                              "to run it as stored, or quantize the float checkpoint")
     elif quantize is not None:
@@ -127,7 +127,7 @@ def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan
         note = (f"the checkpoint is stored in bfloat16 and a float32 copy ({need(dtype) / gib:.1f} GiB) would not fit "
                 f"in the {free / gib:.1f} GiB available, so it runs in bfloat16 (dtype= chooses)")
         return torch.bfloat16, [note]
-    kind = describe(plan)
+    kind = describe_plan(plan)
     held = f"{kind} with the rest in " if kind else ""
     # Say which of the smaller ways would fit, with what each needs, rather than a list of guesses.
     options = []

@@ -18,7 +18,7 @@ import torch
 
 from llama import kernels
 from llama.kernels import layout
-from llama.quant.linears import QuantizedLinear
+from llama.quant.layer import QuantizedLinear
 from llama.runtime.pages import huge_empty
 from llama.quant.format import SCALE_DTYPE, pack_int4
 

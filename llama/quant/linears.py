@@ -46,8 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama.kernels import loaded as kernels_loaded  # loaded by the compiled step where they can be (llama/compile/step.py)
+from llama.quant.dot_linears import integer_class
+from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, pack_int4, unpack_int4
+from llama.quant import fuse
+from llama.quant.layer import QuantizedLinear
 from llama.runtime.pages import return_free_memory, shared_huge_pages
-from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, dequantize_values, pack_int4, unpack_int4
 
 # Up to this many rows (batch x tokens fed), a compiled CPU step computes a linear layer as a reduction,
 # and eager float32 per-channel int8 takes the int8 kernel's exact float32 loop; above it, a matrix product
@@ -111,45 +114,6 @@ class RowsLinear(ReductionLinear):
             out = torch.ops.llama_kv.f32_linear(x, self.weight)
             return out if self.bias is None else out + self.bias
         return super().forward(x)
-
-
-class QuantizedLinear(nn.Module):
-    """What every quantized layer shares: the shape, the group size, and widening as the exact fallback."""
-
-    method = ""
-
-    def __init__(self, in_features: int, out_features: int, group_size: Optional[int]):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.group_size = group_size  # None: one group per row (int8 per output channel)
-
-    @property
-    def n_groups(self) -> int:
-        return 1 if self.group_size is None else self.in_features // self.group_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(x.dtype))
-
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The (out, in) float weight these tensors stand for."""
-        return dequantize_values(*self.format_values()).to(dtype)
-
-    def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
-        """(values, scales[, mins]) of rows start..end: integer values (int8, or int4 as 0..15) in column order
-        and their scales, whatever the layout."""
-        raise NotImplementedError
-
-    def format_tensors(self) -> Dict[str, torch.Tensor]:
-        """The on-disk tensors by suffix ("weight", "scales"[, "mins"]), whatever the layout."""
-        raise NotImplementedError
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        # Always the on-disk layout (llama/quant/format.py), whichever layout the layer computes with.
-        for name, tensor in self.format_tensors().items():
-            destination[prefix + name] = tensor
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
 
 class Int8Linear(QuantizedLinear):
@@ -408,8 +372,6 @@ def layer_class(layer: nn.Module, dtype: torch.dtype, compiled: bool, kernels: b
     if integer is None:
         integer = getattr(layer, "integer_kernels", False)
     if kernels and integer:
-        from llama.quant.dot_linears import integer_class  # that module builds on this one
-
         cls = integer_class(layer, dtype)
         if cls is not None:
             return cls
@@ -434,8 +396,6 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
     `kernels` and `integer` are `layer_class`'s. On the integer kernels, projections of the same input become one
     layer (llama/quant/fuse.py) and attention becomes row-exact (llama/nn/row_attention.py).
     """
-    from llama.quant.fuse import fuse  # it builds on llama/quant/dot_linears.py, which builds on this module
-
     dtype = model.dtype
     linear = (nn.Linear, QuantizedLinear)
     # The parents only: a list of every module would hold each old layer until the end, the model twice.
@@ -444,7 +404,7 @@ def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool
     with shared_huge_pages():  # the re-packed layers under 2 MiB, side by side on 2 MiB pages
         for parent in parents:
             # Projections of the same input, on the integer kernels, become one product (llama/quant/fuse.py).
-            repacked = fuse(parent, choose, dtype)
+            repacked = fuse.fuse(parent, choose, dtype)
             for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
                 layer = getattr(parent, name)
                 cls = choose(layer)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from llama.errors import LlamaError
-from llama.quant.linears import HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4Linear, Int8Linear, QuantizedLinear, choose_layer_classes
+from llama.quant.layer import QuantizedLinear
+from llama.quant.linears import HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4Linear, Int8Linear, choose_layer_classes
 from llama.quant.format import (DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, METHODS, Plan, is_linear_weight,
                                 quantize_int4, quantize_int8)
 
@@ -83,7 +84,7 @@ def group_size_for(method: str, in_features: int, group_size: Optional[int] = No
     return group_size
 
 
-def describe(plan: Plan) -> Optional[str]:
+def describe_plan(plan: Plan) -> Optional[str]:
     """A short name for a plan: "int8", "int8-g32", "int4-g32, output int8" (`--quantize int4`), "mixed", or None
     for a float model; a quantized embedding (a GGUF's, kept) adds ", embedding int8-g32" (or is all there is)."""
     kinds = {}
