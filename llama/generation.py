@@ -200,7 +200,7 @@ class Llama:
             quant_kernels: what quantized layers multiply with on the CPU. "integer" (the default): the
                 integer kernels of llama/kernels, which round each row of activations to int8 blocks of 32
                 as llama.cpp does (fast; cached and uncached runs agree within the bound
-                tests/test_int_kernels.py states, not to float32 rounding); where they cannot run (no C++
+                tests/kernels/test_int_kernels.py states, not to float32 rounding); where they cannot run (no C++
                 compiler, not x86) the exact paths run and `info.notes` says why. "exact": the weight-only
                 paths, which multiply the activations as they are by the dequantized weights.
 

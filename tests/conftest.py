@@ -20,7 +20,7 @@ def pytest_configure(config):
     # machine with a GPU the commands must run on the CPU too. tests/test_cuda.py asks for the GPU by name.
     os.environ["LLAMA_DEVICE"] = "cpu"
     # The commands' default compiles the decode step once per model shape and batch size (llama/compile/aot.py): the
-    # tests of other things run the plain eager step, and tests/test_compile.py tests the default itself.
+    # tests of other things run the plain eager step, and tests/compile/test_compile.py tests the default itself.
     os.environ["LLAMA_COMPILE"] = "0"
     # The integer kernels (llama/kernels) build once into pytest's cache rather than the user's $LLAMA_HOME:
     # every test and subprocess of a run shares that build, the next run reuses it, a changed source rebuilds.

@@ -4,7 +4,7 @@
 layers' layout with a row per token (int8 values, or int4 two a byte, in groups of 32 columns with a float16
 scale and, for int4, a float16 minimum). `QuantizedEmbedding` holds those tensors as buffers, so that its
 `state_dict()` is the on-disk layout, and a lookup gathers the rows of the tokens fed and dequantizes only
-them: in float32, as `gguf.quants.dequantize` computes them (the same values bit for bit: tests/test_embedding.py),
+them: in float32, as `gguf.quants.dequantize` computes them (the same values bit for bit: tests/quant/test_embedding.py),
 then rounded to the model's dtype, which is what a float embedding converted from the same file would hold.
 A table of 49,152 x 576 (the default model's) so takes 30 MB rather than 113 MB in float32, and a decode step
 reads one row of it per sequence.

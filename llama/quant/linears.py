@@ -31,7 +31,7 @@ once. Every quantized class's `state_dict()` is the on-disk layout.
 
 The Dot classes (llama/quant/dot_linears.py) are what a quantized CPU model runs by default: they round the
 activations too, so they multiply by the same weights but not the same activations, within a bound the tests
-state (tests/test_int_kernels.py). Every other class multiplies by the same values: widening is the exact float model of the dequantized weights,
+state (tests/kernels/test_int_kernels.py). Every other class multiplies by the same values: widening is the exact float model of the dequantized weights,
 and each faster path is tested against it. torch's kernels are chosen for bf16 activations only: fed
 float32 they are scalar loops (the int8 one is still worth it at a few rows), and rounding activations to
 bf16 for them would let cached and uncached float32 runs differ. What each path measured:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import BIN, EXAMPLE_TOKENIZER, TORCHRUN, build, generate_json, tiny_args, write_tiny
+from helpers import REPO, BIN, EXAMPLE_TOKENIZER, TORCHRUN, build, generate_json, tiny_args, write_tiny
 from llama import kernels
 from llama.quant import format as qf
 from llama.io.checkpoint import params_dict, save_checkpoint
@@ -123,7 +123,7 @@ def test_a_stored_per_channel_int8_checkpoint_that_cannot_split_is_refused_in_on
     assert result.returncode != 0
     assert "do not split across 2 processes; run it in one process" in result.stderr
     # torchrun prints a traceback of its own when a rank exits non-zero; none may come from this project.
-    assert str(Path(__file__).resolve().parent.parent / "llama") not in result.stderr
+    assert str(REPO / "llama") not in result.stderr
 
 
 PEAK_SCRIPT = """

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from helpers import build
+from helpers import build, make_engine, prompts, run_jobs, solo
 from llama.compile.aot import PagedStep
 from llama.generation import Llama
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs
@@ -23,67 +23,6 @@ MAX_SEQ_LEN = 128
 @pytest.fixture(scope="module")
 def llama(gqa_ckpt):
     return build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN)
-
-
-def make_engine(llama, num_blocks=64, block_size=4, parallel=8, prefill_chunk=16, kv_cache=True):
-    scheduler = Scheduler(num_blocks, block_size, parallel, prefill_chunk, kv_cache=kv_cache)
-    engine = Engine(llama.tokenizer, scheduler, Runner(llama.model, num_blocks if kv_cache else 0, block_size))
-    engine.start()
-    return engine
-
-
-class Collector:
-    """A job's events, and a way to wait for its end."""
-
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, event):
-        self.events.append(event)
-        if isinstance(event, (Done, Failed)):
-            self.done.set()
-
-    def texts(self, n=1):
-        out = [""] * n
-        for e in self.events:
-            if isinstance(e, Delta):
-                out[e.index] += e.text
-        return out
-
-    def finish_reasons(self, n=1):
-        out = [None] * n
-        for e in self.events:
-            if isinstance(e, Delta) and e.finish_reason:
-                out[e.index] = e.finish_reason
-        return out
-
-    def usage(self) -> Done:
-        return next(e for e in self.events if isinstance(e, Done))
-
-
-def run_jobs(engine, jobs):
-    collectors = []
-    for job in jobs:
-        job.emit = Collector()
-        collectors.append(job.emit)
-        engine.submit(job)
-    for c in collectors:
-        assert c.done.wait(120), "a job did not finish"
-        assert not any(isinstance(e, Failed) for e in c.events), c.events
-    return collectors
-
-
-def solo(llama, prompt, max_tokens, **kwargs):
-    tokens, logprobs = llama.generate([prompt], max_tokens, temperature=kwargs.pop("temperature", 0), **kwargs)
-    return tokens[0], (logprobs[0] if logprobs else None)
-
-
-def prompts(llama):
-    """Eight prompts: some share a long prefix (a system prompt), one is a prefix of another, lengths differ."""
-    enc = lambda s: llama.tokenizer.encode(s, bos=True, eos=False)  # noqa: E731
-    system = "You are a careful assistant. Answer the question in one short sentence, then stop. "
-    return [enc(system + q) for q in ("What is a list?", "What is a dict?", "Why is the sky blue?", "")] + [
-        enc("def fibonacci(n):"), enc("A"), enc("The capital of France is"), enc("The capital of France is Paris, and")]
 
 
 @pytest.mark.parametrize("config", [

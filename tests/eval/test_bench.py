@@ -39,7 +39,7 @@ def test_llama_bench_writes_table_csv_json_and_plot(gqa_ckpt, tmp_path):
     cached = [r for r in rows if r["kv_cache"] == "True"]
     assert all(float(r["speedup_vs_no_cache"]) > 0 for r in cached)
     assert all(r["speedup_vs_no_cache"] == "" for r in rows if r["kv_cache"] == "False")
-    assert {r["step"] for r in rows} == {"eager"}  # LLAMA_COMPILE=0 (conftest.py); tests/test_compile.py: the default
+    assert {r["step"] for r in rows} == {"eager"}  # LLAMA_COMPILE=0 (conftest.py); tests/compile/test_compile.py: the default
     data = json.loads((out / "bench.json").read_text())
     assert data["environment"]["torch"] and len(data["runs"]) == 4
     assert all(len(r["step_s"]) == 15 for r in data["runs"])

@@ -156,7 +156,7 @@ def test_a_session_and_a_prompt_cache_answer_as_a_fresh_run(models, tmp_path):
 def test_the_servers_batched_steps_answer_as_generate_alone(models):
     """llama-server's loop (rows at their own positions, paged blocks) over the kept embedding gives each prompt
     what the float embedding's `generate` gives it alone."""
-    from test_engine import make_engine, run_jobs
+    from helpers import make_engine, run_jobs
     from llama.server.engine import Job
 
     _, ckpt, widened = models

@@ -20,56 +20,15 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from helpers import REPO, build, write_tiny  # noqa: E402
+from helpers import KEY, REPO, SERVER_MAX_SEQ_LEN, Server, build, write_tiny  # noqa: E402
 from llama.server.engine import Engine, Job  # noqa: E402
 from llama.server.http import ServerState, create_app  # noqa: E402
 from llama.server.runner import Runner  # noqa: E402
 from llama.server.scheduler import Scheduler  # noqa: E402
 
-KEY = "test-key-123"
-MAX_SEQ_LEN = 256
+MAX_SEQ_LEN = SERVER_MAX_SEQ_LEN
 KV_TOKENS = 200  # less than the context: some requests must wait, some can never fit
 SYSTEM = "You are a careful assistant. Answer the question in one short sentence, then stop."
-
-
-class Server:
-    """A llama-server subprocess, its URL once it is ready, and the lines it has logged."""
-
-    def __init__(self, ckpt, *flags, max_seq_len: int = MAX_SEQ_LEN,
-                 launcher=(sys.executable, "-m", "llama.cli.server"), env=None):
-        model = ["--ckpt-dir", str(ckpt)] if ckpt is not None else []  # None: the flags name it
-        cmd = [*launcher, *model, "--port", "0", "--max-seq-len", str(max_seq_len), *map(str, flags)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": "", **(env or {})}
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
-        self.lines, self.ready = [], threading.Event()
-        self.url = None
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(180):
-            self.proc.kill()
-            raise AssertionError("the server did not start:\n" + "\n".join(self.lines))
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
-            if "listening on " in line and self.url is None:
-                self.url = line.split("listening on ")[1].split()[0]
-                self.ready.set()
-        self.ready.set()
-
-    def client(self, key=KEY):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-    def stop(self, sig=signal.SIGTERM) -> int:
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-
-    def metrics(self):
-        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
-        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +228,7 @@ def test_eight_concurrent_clients_get_their_solo_answers(server, llama):
 def test_the_default_compiled_step_serves_concurrent_clients_their_solo_answers(ckpt, llama):
     """With no flag about compiling (LLAMA_COMPILE=auto, which conftest.py turns off for the other tests) the
     server loads its decode step from stored packages (llama/compile/aot.py: one row, and 2-16 rows), built first."""
-    # Two threads and blocks of 4, as in tests/test_engine.py's stored step of the same tiny shape: the packages it
+    # Two threads and blocks of 4, as in tests/server/test_engine.py's stored step of the same tiny shape: the packages it
     # stored serve here. (A package for another block size must not: the size is part of the key, as a run with
     # the default 16 after those of 4 once showed, reading past the pool.)
     s = Server(ckpt, "--api-key", KEY, "--parallel", "4", "--block-size", "4",
@@ -420,7 +379,7 @@ def test_health_and_routes_answer_503_while_the_model_loads():
 
 @pytest.mark.slow
 def test_sigterm_ends_requests_in_flight_and_exits_0(ckpt):
-    """Without a KV cache too (tests/test_shutdown.py has the cache, waiting requests and Ctrl-C)."""
+    """Without a KV cache too (tests/server/test_shutdown.py has the cache, waiting requests and Ctrl-C)."""
     s = Server(ckpt, "--shutdown-grace", "1", "--no-kv-cache")
     body = {"prompt": "Once upon a time", "max_tokens": 230, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:

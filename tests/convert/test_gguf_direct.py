@@ -356,7 +356,7 @@ def test_every_command_takes_m(sources, tmp_path, command):
 
 
 def test_llama_server_takes_m(sources):
-    from test_server import Server
+    from helpers import Server
 
     src = sources[0]["gguf"]
     resolve_checkpoint(src)

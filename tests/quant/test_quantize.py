@@ -244,7 +244,7 @@ def test_compiled_quantized_step_keeps_the_cache_switch_exact(gqa_ckpt, method):
     compiled = build(gqa_ckpt, quantize=method, compile=True)
     assert compiled.info.notes == []  # the fast exact path: nothing to warn of
     # One prompt: the batch-1 package compile=True stored (another batch size is another package to build, and
-    # tests/test_compile.py holds batches of several lengths).
+    # tests/compile/test_compile.py holds batches of several lengths).
     prompts = [[1, 50, 7, 99, 12]]
     cached, lp_cached = compiled.generate(prompts, 12, temperature=0, logprobs=True, kv_cache=True)
     uncached, lp_uncached = compiled.generate(prompts, 12, temperature=0, logprobs=True, kv_cache=False)

@@ -38,7 +38,7 @@ def _tokens(llama, prompts):
 
 
 def test_compiled_step_logits_equal_eager_at_every_position(eager, compiled):
-    # Few-row float32 products on llama_kv.f32_linear wherever the kernels build (tests/test_f32_rows.py).
+    # Few-row float32 products on llama_kv.f32_linear wherever the kernels build (tests/kernels/test_f32_rows.py).
     assert type(compiled.model.layers[0].attention.wq) is (RowsLinear if missing() is None else ReductionLinear)
     tokens = torch.randint(0, eager.model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
