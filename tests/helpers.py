@@ -26,9 +26,7 @@ from llama import Llama
 from llama.io.checkpoint import params_dict, save_checkpoint
 from llama.model import ModelArgs
 from llama.io.random_weights import random_state_dict, write_random_checkpoint
-from llama.server.engine import Delta, Done, Engine, Failed
-from llama.server.runner import Runner
-from llama.server.scheduler import Scheduler
+from llama.server.engine import Delta, Done, Failed
 from llama.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -328,10 +326,11 @@ SERVER_MAX_SEQ_LEN = 256
 
 
 def make_engine(llama, num_blocks=64, block_size=4, parallel=8, prefill_chunk=16, kv_cache=True):
-    scheduler = Scheduler(num_blocks, block_size, parallel, prefill_chunk, kv_cache=kv_cache)
-    engine = Engine(llama.tokenizer, scheduler, Runner(llama.model, num_blocks if kv_cache else 0, block_size))
-    engine.start()
-    return engine
+    """llama-server's serving loop over `llama` (llama/server/app.py), started, with a KV cache of `num_blocks`."""
+    from llama.server.app import start_engine
+
+    return start_engine(llama, parallel=parallel, kv_cache_size=num_blocks * block_size, block_size=block_size,
+                        prefill_chunk=prefill_chunk, kv_cache=kv_cache).engine
 
 
 class Collector:

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from helpers import KEY, REPO, SERVER_MAX_SEQ_LEN, Server, build, write_tiny  # noqa: E402
+from llama.server.app import create_server_app  # noqa: E402
 from llama.server.engine import Engine, Job  # noqa: E402
 from llama.server.http import ServerState, create_app  # noqa: E402
 from llama.server.runner import Runner  # noqa: E402
@@ -355,10 +355,9 @@ def test_a_full_queue_answers_503(llama):
     from starlette.testclient import TestClient
 
     engine = Engine(llama.tokenizer, Scheduler(64, 4, 1, 16), Runner(llama.model, 64, 4), max_waiting=1)
-    state = ServerState(model_id="m", engine=engine, tokenizer=llama.tokenizer, max_seq_len=MAX_SEQ_LEN,
-                        vocab_size=llama.model.vocab_size, log=lambda line: None)
+    app, _ = create_server_app(engine, model_id="m")
     engine.submit(Job([1, 5, 9], 4, lambda event: None))
-    with TestClient(create_app(state)) as client:
+    with TestClient(app) as client:
         r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
         assert "queue of 1 waiting requests is full" in r.json()["error"]["message"]
