@@ -123,6 +123,13 @@ class Scheduler:
                     f"more than the {self.pool.num_blocks * bs} the server holds (--kv-cache-size)")
         return None
 
+    def most_new_tokens(self, prompt_len: int) -> Optional[int]:
+        """The most tokens a sequence of `prompt_len` tokens could generate in the whole KV cache, None without
+        a limit: exactly the `max_new` that `check_fits` passes."""
+        if self.pool is None:
+            return None
+        return self.pool.num_blocks * self.pool.block_size - prompt_len + 1  # the last token is never fed
+
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; it joins the batch at a later step."""
         assert seq.status == WAITING

@@ -218,6 +218,17 @@ def test_a_sequence_that_could_never_fit_is_named():
     assert Scheduler(1, 1, 1, 1, kv_cache=False).check_fits(10**6, 10**6) is None
 
 
+@pytest.mark.parametrize("num_blocks, block_size", [(4, 4), (5, 3), (1, 1), (16, 16)])
+def test_the_most_new_tokens_are_exactly_what_check_fits_passes(num_blocks, block_size):
+    """The server's default max_tokens (llama/server/http.py) in closed form, against check_fits itself."""
+    sched = Scheduler(num_blocks=num_blocks, block_size=block_size, max_running=2, prefill_chunk=8)
+    for prompt_len in range(1, num_blocks * block_size + 2):
+        most = sched.most_new_tokens(prompt_len)
+        assert most < 1 or sched.check_fits(prompt_len, most) is None
+        assert sched.check_fits(prompt_len, most + 1) is not None
+    assert Scheduler(1, 1, 1, 1, kv_cache=False).most_new_tokens(10**6) is None
+
+
 def test_choices_of_one_request_wait_for_the_first_prompt_and_share_it():
     sched = Scheduler(num_blocks=32, block_size=4, max_running=4, prefill_chunk=6)
     cache = FakeCache(sched.pool)
