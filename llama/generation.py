@@ -239,8 +239,8 @@ class Llama:
             model = parallelize(model, world_size)
         if dtype_given and read_record(ckpt_dir) is None:
             # Refuse a model that cannot fit before even opening its files.
-            choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype, True,
-                         device, world_size, block_scales)
+            choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype,
+                         explicit=True, device=device, world_size=world_size, block_scales=block_scales)
         reader = CheckpointReader(ckpt_dir)  # memory-mapped: nothing read yet
         reader.check(args)
         plan = resolve_plan(model, reader, quantize)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Union
 
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
+from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, compile_flag, model_flag
 from llama.cli.printer import ProgressPrinter
 from llama.convert.fetch import DEFAULT_MODEL
@@ -43,6 +44,7 @@ def kv_cache_positions(size: Union[int, str, None], bytes_per_position: int, def
     return tokens
 
 
+@with_model_flags
 def main(
     ckpt_dir: str = None,
     tokenizer_path: str = None,
@@ -77,9 +79,7 @@ def main(
             -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
 
     Args:
-        ckpt_dir: checkpoint directory in Meta's layout, a GGUF file or a Hugging Face folder (converted once);
-            default: the default model, fetched on first use.
-        tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
+        <model flags>
         host: address to listen on; 0.0.0.0 serves other machines too (set --api-key then).
         port: port to listen on; 0 picks a free one (the ready line names it).
         parallel: sequences decoded together at each step; more wait their turn.
@@ -99,19 +99,12 @@ def main(
         shutdown_grace: seconds running requests get to finish after Ctrl-C or SIGTERM; those still running
             then end with what they have, finish_reason "length" (cut short, as by max_tokens). Waiting ones
             get 503 at once.
-        device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
-        dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
-        quantize: int8 or int4: hold every linear layer's weights quantized as they load.
-        quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
-            llama-generate).
         compile: compile the batched decode step where the default would not: on a GPU, with torch.compile
             before serving (minutes). The default, with neither flag: on the CPU the step is compiled ahead of
             time for one row and for 2-16 rows (about a minute each for the default model on 2 cores, the first
             time; with a progress line), stored under $LLAMA_HOME and loaded in milliseconds by later starts;
             prompt chunks run eagerly. Without a C++ compiler it runs eagerly, with a note.
         no_compile: run every step eagerly.
-        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE): a checkpoint directory, a GGUF file or a
-            Hugging Face folder.
     """
     for name, value, low in (("--port", port, 0), ("--parallel", parallel, 1), ("--max-seq-len", max_seq_len, 2),
                              ("--block-size", block_size, 1), ("--prefill-chunk", prefill_chunk, 1),
