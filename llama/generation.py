@@ -101,9 +101,9 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a decode loop, and back as it was after: each step's few objects
-    set off collections that walk every object torch and the model hold (8.9 against 8.0 ms a token for the
-    int4 default model, compiled, in a script without the commands' gc.freeze()). Whatever a loop leaves in
-    cycles is collected after it, as usual."""
+    set off collections that walk every object torch and the model hold, a cost paid every token where the
+    caller has not frozen them as the commands do (gc.freeze()). Whatever a loop leaves in cycles is collected
+    after it, as usual."""
     enabled = gc.isenabled()
     gc.disable()
     try:

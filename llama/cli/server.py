@@ -171,12 +171,10 @@ SPIN_COUNT = "10000"
 def cli() -> None:
     # OpenMP's workers spin between parallel regions, and how long is read once, when torch loads the runtime: too
     # early for anything but the environment. A server shares its cores with its own HTTP thread and its clients.
-    # Left spinning (libgomp's default, 300,000 spins), its workers starved the very threads they wait for: on
-    # the shared 2-core machine one client got 2.7 tokens/s against 8.3 with OMP_WAIT_POLICY=PASSIVE. Asleep at
-    # once, each of a step's hundreds of parallel regions waits for a worker to wake, and a 576 x 1024 product of
-    # 8 rows took as long as on one thread (135 against 79 us). A short spin keeps the workers through a step
-    # and frees the cores between steps: 8 clients got 122 tokens/s against 96 asleep, one client 40 against 30
-    # (scripts/bench_server.py, docs/benchmarks.md). So, unless either variable is set, start again with it set.
+    # Left spinning for libgomp's default 300,000 spins, its workers starve the very threads they wait for; asleep
+    # at once, each of a step's hundreds of parallel regions waits for a worker to wake, as slow as one thread. A
+    # short spin keeps the workers through a step and frees the cores between steps (the figures: scripts/
+    # bench_server.py, docs/benchmarks.md, "Figures behind the code"). So, unless either variable is set, start again with it set.
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
         os.execv(sys.executable, [sys.executable, "-m", "llama.cli.server", *sys.argv[1:]])

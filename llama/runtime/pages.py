@@ -3,9 +3,8 @@
 Linux only; elsewhere (or where libc cannot be reached) each call is a no-op or a plain allocation.
 
 `huge_empty` is for the re-packed weights the CPU kernels read once per token (llama/quant/dot_linears.py): with
-4 KiB pages, streaming a layer of megabytes walks the TLB through hundreds of entries, and on this project's
-benchmark machine a 7B-shaped int4 layer read at 20.8 GB/s from ordinary pages against 28.4 GB/s from 2 MiB
-ones (docs/benchmarks.md). Transparent huge pages are often enabled only where asked for ("madvise", Debian's
+4 KiB pages, streaming a layer of megabytes walks the TLB through hundreds of entries, and a big layer reads
+measurably faster from 2 MiB pages (docs/benchmarks.md, "Figures behind the code"). Transparent huge pages are often enabled only where asked for ("madvise", Debian's
 and Ubuntu's default), so the buffer asks with madvise(MADV_HUGEPAGE) before its pages are first touched.
 Layers under 2 MiB (all of a small model's) get them by sharing mappings, while loading asks for it
 (`shared_huge_pages`).

@@ -168,11 +168,10 @@ class Runner:
 class _ManyRowsOutput(nn.Module):
     """The output matrix laid out twice: as loaded for one row, and row-major for the server's many rows.
 
-    The model stores its wide matrices input-major, where MKL's one-row product is twice as fast; for 2-16
-    rows MKL's `F.linear` on that layout is several times slower than `torch.mm(W, x.T)` on a row-major copy
-    (8 rows of the default model's 49152 x 576 output: 46-50 ms against 20; a whole 8-row decode step 298 ->
-    237 ms, docs/benchmarks.md). The output matrix is the one where this shows, and it costs one more copy of
-    it (113 MB for the default model). Same weights, same state_dict; logits within float rounding.
+    The model stores its wide matrices input-major, where MKL's one-row product is fastest; for 2-16 rows MKL's
+    `F.linear` on that layout is several times slower than `torch.mm(W, x.T)` on a row-major copy (the figures:
+    docs/benchmarks.md, "Figures behind the code"). The output matrix, the widest, is the one where this shows, and it
+    costs one more copy of it. Same weights, same state_dict; logits within float rounding.
     """
 
     def __init__(self, layer: nn.Linear):
