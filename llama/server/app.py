@@ -11,7 +11,7 @@ halves, for a caller (a test) that serves in its own way.
 import os
 import socket
 import threading
-from typing import Callable, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
 from llama.errors import LlamaError
 from llama.generation import Llama
@@ -23,13 +23,11 @@ from llama.server.runner import Runner
 from llama.server.scheduler import Scheduler
 
 Log = Callable[[str], None]
+KVCacheSize = Union[int, Callable[[int], int], None]  # positions, or a function of the bytes one position takes
 
 
 def _quiet(line: str) -> None:
     pass
-
-
-KVCacheSize = Union[int, Callable[[int], int], None]
 
 
 def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
@@ -79,6 +77,8 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
 
 
 class Started(NamedTuple):
+    """What `start_engine` started, and what to say about it."""
+
     engine: Engine
     line: str  # what runs: the batch, the KV cache, the compiled step
     notes: List[str]  # what the user should hear about the compiled step
@@ -129,7 +129,7 @@ def attach(state: ServerState, engine: Engine) -> None:
 
 
 def create_server_app(engine: Optional[Engine] = None, model_id: str = "llama", api_key: Optional[str] = None,
-                      kv_cache: bool = True, webui: bool = True, log: Log = _quiet):
+                      kv_cache: bool = True, webui: bool = True, log: Log = _quiet) -> Tuple[Any, ServerState]:
     """The ASGI application of the OpenAI-compatible API over `engine` (None: 503 until `attach` gives one).
 
     Returns:
