@@ -14,24 +14,24 @@ from typing import Callable, Iterator, List, Optional, Set, Tuple, TypedDict, Un
 
 import torch
 
-from llama.chat_format import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
-from llama.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile import CompileFailed, CompiledStep, compile_step, default_compile
+from llama.chat.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
+from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
+from llama.compile.step import CompileFailed, CompiledStep, compile_step, default_compile
 from llama.convert.cache import resolve_checkpoint
-from llama.devices import check_fits, local_device, resolve_device, resolve_dtype
-from llama.distributed import init_distributed
+from llama.runtime.devices import check_fits, local_device, resolve_device, resolve_dtype
+from llama.runtime.distributed import init_distributed
 from llama.errors import LlamaError
 from llama import kernels
-from llama.kv_cache import KVCache
+from llama.nn.kv_cache import KVCache
 from llama.model import Transformer
-from llama.parallel import parallelize
-from llama.session import Session
-from llama.progress import Progress
-from llama.quant_format import is_linear_weight, read_record
-from llama.linears import QuantizedLinear
-from llama.quantize import check_method, check_quant_kernels, describe, plan_for, slow_path_note
+from llama.nn.parallel import parallelize
+from llama.nn.session import Session
+from llama.runtime.progress import Progress
+from llama.quant.format import is_linear_weight, read_record
+from llama.quant.layer import QuantizedLinear
+from llama.quant.quantize import check_method, check_quant_kernels, describe_plan, plan_for, slow_path_note
 from llama.tokenizer import Tokenizer
-from llama.weights import choose_dtype, load_weights, resolve_plan
+from llama.io.weights import choose_dtype, load_weights, resolve_plan
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -103,9 +103,9 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 @contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a decode loop, and back as it was after: each step's few objects
-    set off collections that walk every object torch and the model hold (8.9 against 8.0 ms a token for the
-    int4 default model, compiled, in a script without the commands' gc.freeze()). Whatever a loop leaves in
-    cycles is collected after it, as usual."""
+    set off collections that walk every object torch and the model hold, a cost paid every token where the
+    caller has not frozen them as the commands do (gc.freeze()). Whatever a loop leaves in cycles is collected
+    after it, as usual."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -178,15 +178,15 @@ class Llama:
             max_batch_size: the most prompts one call may take.
             model_parallel_size: ranks to split the model across; None takes the number of processes
                 torchrun started (1 without torchrun). As with Meta's build, ranks other than 0 then print
-                nothing to stdout (LLAMA_PRINT_ALL_RANKS=1 keeps it; see llama/distributed.py).
+                nothing to stdout (LLAMA_PRINT_ALL_RANKS=1 keeps it; see llama/runtime/distributed.py).
             seed: seed of the sampling generator.
             device: "cpu", "cuda", "cuda:N"; None picks CUDA when present, else CPU.
             dtype: "float32", "bfloat16" or "float16"; None picks bf16 on CUDA (fp16 where bf16 is
                 unsupported) and float32 on CPU.
-            compile: run the generation steps after the prompt compiled (llama/compile.py). True: on the CPU
+            compile: run the generation steps after the prompt compiled (llama/compile/step.py). True: on the CPU
                 the one-token step with the cache comes from a package stored under $LLAMA_HOME (built the
                 first time for a model shape and batch size, in under a minute for small models, then loaded
-                in milliseconds; llama/aot.py), and every other step (the uncached one, any step on a GPU) is
+                in milliseconds; llama/compile/aot.py), and every other step (the uncached one, any step on a GPU) is
                 compiled by torch.compile at its first use (minutes). "auto": the stored step where it can be
                 had (the CPU, one process, a C++ compiler), everything else eager, with a note when the
                 compiler is missing; a package not stored yet is built on a background thread while the eager
@@ -196,16 +196,16 @@ class Llama:
                 the commands do with no flag: "auto", unless $LLAMA_COMPILE is 0 (False) or 1 (True). A
                 first build is silent unless `progress` is given. Needs a C++ compiler on the CPU; one process only.
             quantize: None, "int8" (per output channel) or "int4" (groups of 32 columns): quantize every
-                linear layer as it loads (llama/quantize.py). A checkpoint stored quantized (it has
+                linear layer as it loads (llama/quant/quantize.py). A checkpoint stored quantized (it has
                 quantization.json) loads as stored without it; asking it for another method is an error.
             progress: told ("loading weights", done, total) as the tensors load, and around a first build of
-                the integer kernels (llama/progress.py).
+                the integer kernels (llama/runtime/progress.py).
             compile_batch_size: the batch size whose compiled step is ready when this returns (loaded, or built
                 and stored); steps at other batch sizes are made at their first use.
             quant_kernels: what quantized layers multiply with on the CPU. "integer" (the default): the
                 integer kernels of llama/kernels, which round each row of activations to int8 blocks of 32
                 as llama.cpp does (fast; cached and uncached runs agree within the bound
-                tests/test_int_kernels.py states, not to float32 rounding); where they cannot run (no C++
+                tests/kernels/test_int_kernels.py states, not to float32 rounding); where they cannot run (no C++
                 compiler, not x86) the exact paths run and `info.notes` says why. "exact": the weight-only
                 paths, which multiply the activations as they are by the dequantized weights.
 
@@ -244,8 +244,8 @@ class Llama:
             model = parallelize(model, world_size)
         if dtype_given and read_record(ckpt_dir) is None:
             # Refuse a model that cannot fit before even opening its files.
-            choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype, True,
-                         device, world_size, block_scales)
+            choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype,
+                         explicit=True, device=device, world_size=world_size, block_scales=block_scales)
         reader = CheckpointReader(ckpt_dir)  # memory-mapped: nothing read yet
         reader.check(args)
         plan = resolve_plan(model, reader, quantize)
@@ -262,7 +262,7 @@ class Llama:
         if on_exact_paths and device.type == "cpu" and dtype == torch.float32 and not compile:
             notes.append(slow_path_note(plan, world_size))
         running = None if not quantized else "exact" if on_exact_paths else "integer"
-        info = LoadInfo(ckpt_dir, describe(plan), rank, world_size, notes, quant_kernels=running)
+        info = LoadInfo(ckpt_dir, describe_plan(plan), rank, world_size, notes, quant_kernels=running)
         llama = Llama(model, tokenizer, seed=seed, info=info)
         if compile:
             compile_start = time.perf_counter()
@@ -319,7 +319,7 @@ class Llama:
             on_step: called after every step with the position filled and the (bsz,) tokens put there.
             ignore_stop: run every row to max_gen_len new tokens (or max_seq_len), stop tokens included,
                 as benchmarks that need exact lengths do.
-            session: a KV cache kept between calls (llama/session.py), for one prompt: only the prompt's
+            session: a KV cache kept between calls (llama/nn/session.py), for one prompt: only the prompt's
                 tokens after the longest prefix it already holds are fed. The results are the same.
 
         Returns:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.kv_cache import KVCache, PagedKVCache
+from llama.nn.kv_cache import KVCache, PagedKVCache
 
 
 @dataclass
@@ -124,7 +124,7 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 class Rotary(nn.Module):
     """`apply_rotary_emb`. A module of its own, holding nothing, so that a model on the integer kernels can swap
-    it for a row-exact one (llama/row_attention.py)."""
+    it for a row-exact one (llama/nn/row_attention.py)."""
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         return apply_rotary_emb(x, freqs_cis)
@@ -132,7 +132,7 @@ class Rotary(nn.Module):
 
 class ScaledDotProductAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + mask) v, by torch's fused kernel. A module of its own, holding nothing, so that a
-    model on the integer kernels can swap it for a row-exact one (llama/row_attention.py)."""
+    model on the integer kernels can swap it for a row-exact one (llama/nn/row_attention.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -197,7 +197,7 @@ class Attention(nn.Module):
         return self.wo(out.reshape(bsz, seqlen, -1))
 
     def project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x's queries, keys and values: three products (llama/fuse.py makes them one where that is faster)."""
+        """x's queries, keys and values: three products (llama/quant/fuse.py makes them one where that is faster)."""
         return self.wq(x), self.wk(x), self.wv(x)
 
 
@@ -213,7 +213,7 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(gate) * up)
 
     def project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """x's gate and up-projection: two products (llama/fuse.py makes them one where that is faster)."""
+        """x's gate and up-projection: two products (llama/quant/fuse.py makes them one where that is faster)."""
         return self.w1(x), self.w3(x)
 
 

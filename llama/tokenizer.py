@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 from llama.errors import LlamaError
-from llama.files import read_json_object
+from llama.runtime.files import read_json_object
 
 if TYPE_CHECKING:
     from sentencepiece import SentencePieceProcessor

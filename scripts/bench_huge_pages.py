@@ -4,7 +4,7 @@
     python scripts/bench_huge_pages.py --layers 8 --threads 1
 
 Each format the kernels hold (Q8_0, int8 in groups of 16, Q4_0, Q4_1) is laid out once in ordinary memory
-(`torch.empty`) and once in memory that asked for 2 MiB pages (`llama.pages.huge_empty`, what the layer
+(`torch.empty`) and once in memory that asked for 2 MiB pages (`llama.runtime.pages.huge_empty`, what the layer
 classes use), with the same values; every layer's weight is its own tensor, far more than the caches hold.
 Rounds interleave the eight, and each figure is the median over rounds of one pass over every layer's seven
 products, with the weight bytes read per second. Linux with transparent huge pages in "madvise" or "always";
@@ -19,7 +19,7 @@ import torch
 
 from llama import kernels
 from llama.kernels import layout
-from llama.pages import huge_empty
+from llama.runtime.pages import huge_empty
 
 SHAPES = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008)]  # wq wk wv wo, w1 w3, w2
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from llama import kernels
-from llama import quant_format as qf
+from llama.quant import format as qf
 from llama.kernels import layout
 
 

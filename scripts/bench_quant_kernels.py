@@ -5,14 +5,14 @@
 
 For each OUTxIN weight: float32 F.linear (as stored and input-major), torch's private int8 and int4 kernels
 with float32 and bf16 activations, dequantize-then-F.linear, and the compiled reductions of
-llama/quantize.py (int8, int4 by group size) and llama/compile.py (float32). Prints microseconds per call
+llama/quant/quantize.py (int8, int4 by group size) and llama/compile/step.py (float32). Prints microseconds per call
 and the weight bytes read per second. Take figures on a quiet machine: under load, two-thread kernels
 wait on each other's time slices and read 10-100x slow.
 """
 import time, sys, torch, torch.nn.functional as F
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent.parent))
-from llama import quant_format as qf
-from llama.quantize import Int4Linear, Int8Linear
+from llama.quant import format as qf
+from llama.quant.quantize import Int4Linear, Int8Linear
 torch.set_num_threads(2)
 
 def bench(fn, n=None, t=0.5):
@@ -49,7 +49,7 @@ def run(out_f, in_f, gs=32):
             got = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, g, sz.bfloat16()).float()
             got32 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)
             print('  int4 err bf16', (got - ref).abs().max().item(), 'fp32', (got32 - ref).abs().max().item(), 'ref max', ref.abs().max().item())
-        # the compiled reduction llama/quantize.py ships (halves layout, dequantized in registers)
+        # the compiled reduction llama/quant/quantize.py ships (halves layout, dequantized in registers)
         layer4 = Int4Linear(in_f, out_f, g)
         layer4.weight, layer4.scales, layer4.mins = p, s, m
         layer4.use_halves_layout()

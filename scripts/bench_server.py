@@ -87,7 +87,7 @@ def start_ours(ckpt_dir: Optional[str], threads: int, parallel: int, max_seq_len
 def build_llama_cpp(cache_dir: Path, threads: int) -> Path:
     """llama.cpp's tools (llama-server, llama-quantize), built once from the llama-cpp-python sdist's vendored tree."""
     from llama.convert.llama2_vocab import SDIST_REQUIREMENT
-    from llama.pip_fetch import pip_download
+    from llama.convert.pip_fetch import pip_download
 
     bin_dir = cache_dir / "build" / "bin"
     if (bin_dir / "llama-server").exists() and (bin_dir / "llama-quantize").exists():
@@ -115,7 +115,7 @@ def build_llama_cpp(cache_dir: Path, threads: int) -> Path:
 
 def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int) -> Path:
     """The default model as an F32 GGUF, dequantized from the shipped Q4_1 file by llama.cpp's own quantizer."""
-    from llama.download import default_model_gguf
+    from llama.convert.fetch import default_model_gguf
 
     source = default_model_gguf()
     out = cache_dir / f"{source.stem.split('.')[0]}.F32.gguf"

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from llama import Llama
-from llama.conversation import Conversation
-from llama.identity import model_identity
-from llama.prompt_cache import load_prompt_cache, restore, save_prompt_cache
-from llama.session import Session
+from llama.chat.conversation import Conversation
+from llama.io.identity import model_identity
+from llama.io.prompt_cache import load_prompt_cache, restore, save_prompt_cache
+from llama.nn.session import Session
 
 MESSAGES = [
     "Hi! Can you help me plan a short trip to Paris?",
@@ -102,7 +102,7 @@ def main():
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     if args.ckpt_dir is None:
-        from llama.download import default_model_dir
+        from llama.convert.fetch import default_model_dir
 
         args.ckpt_dir = default_model_dir()
     llama = Llama.build(args.ckpt_dir, max_seq_len=2048, max_batch_size=1, device="cpu", dtype="float32",

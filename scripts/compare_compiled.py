@@ -5,7 +5,7 @@
 
 Every model is built with --compile (compiled before any timing), then each generates --new_tokens greedily
 (stop tokens ignored) from the same prompt, runs interleaved; printed: the median decode tokens/s. Run it
-alternately with and without the environment variable to see what the C++ wrapper is worth (llama/compile.py).
+alternately with and without the environment variable to see what the C++ wrapper is worth (llama/compile/step.py).
 """
 
 import os
@@ -21,7 +21,7 @@ KINDS = [("float32", None), ("float32", "int8"), ("float32", "int4"), ("bfloat16
 
 def main(new_tokens: int = 128, repeats: int = 3, threads: int = 2):
     from llama import Llama
-    from llama.download import default_model_dir
+    from llama.convert.fetch import default_model_dir
 
     torch.set_num_threads(threads)
     models = {kind: Llama.build(default_model_dir(), max_seq_len=new_tokens + 64, max_batch_size=1, device="cpu",

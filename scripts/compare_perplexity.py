@@ -3,10 +3,10 @@
     python scripts/compare_perplexity.py [--file data/alice29.txt] [--ctx 512] [--windows N] [--threads 2]
         [--quantize none,int8,int4] [--nollamacpp] [--lcpp_types F32,Q8_0,Q4_0] [--gguf_dir DIR]
 
-Ours runs `llama.perplexity.perplexity` on the default model in float32 (and with each --quantize kind
+Ours runs `llama.eval.likelihood.perplexity` on the default model in float32 (and with each --quantize kind
 where this version's Llama.build takes `quantize`). llama.cpp (optional, as in compare_transformers.py:
 the `llama_cpp` module of llama-cpp-python) scores the very same windows of our token ids, with the same
-rule (llama/perplexity.py: the second half of each window of --ctx tokens), from all of each window's
+rule (llama/eval/likelihood.py: the second half of each window of --ctx tokens), from all of each window's
 logits, for a GGUF of each --lcpp_types made by llama.cpp's quantizer from the shipped Q4_1 file. llama.cpp's
 F32 holds the same values as our float32 model, so the two F32 rows check each other.
 """
@@ -44,8 +44,8 @@ def main(file: str = str(REPO / "data" / "alice29.txt"), ctx: int = 512, windows
     import tempfile
 
     from llama import Llama
-    from llama.download import default_model_dir, default_model_gguf
-    from llama.perplexity import perplexity, window_starts
+    from llama.convert.fetch import default_model_dir, default_model_gguf
+    from llama.eval.likelihood import perplexity, window_starts
 
     torch.set_num_threads(threads)
     text = Path(file).read_text(encoding="utf-8")

@@ -8,7 +8,7 @@ Both start from the default model in bf16: ours quantizes while loading (int4 ke
 blocks), torchao's `quantize_` quantizes the loaded bf16 weights (int8 per output channel, int4 in groups of
 32 through its CPU tensor, `PrototypeInt4WeightOnlyConfig`). Both call torch's `_weight_int8pack_mm` /
 `_weight_int4pack_mm_for_cpu`; what differs is everything around the kernel. Compiled runs go through
-llama/compile.py for both (torchao's linear layers are left as torchao made them). A combination that
+llama/compile/step.py for both (torchao's linear layers are left as torchao made them). A combination that
 fails is printed with its reason and left out. Runs alternate; each figure is the median of --repeats runs.
 A compiled model's speed depends on what else the process holds (measured here: ours int4 compiled at 83
 tokens/s among seven models, 118-120 beside one other): compare compiled figures from a run with
@@ -38,8 +38,8 @@ def build_torchao(method: str, compile: bool, max_seq_len: int):
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     from llama import Llama
-    from llama.compile import compile_step
-    from llama.download import default_model_dir
+    from llama.compile.step import compile_step
+    from llama.convert.fetch import default_model_dir
 
     llama = Llama.build(default_model_dir(), max_seq_len=max_seq_len, max_batch_size=1, device="cpu",
                         dtype="bfloat16", compile=False)
@@ -60,7 +60,7 @@ def _names(value) -> tuple:
 
 def build_ours(method: str, compile: bool, max_seq_len: int):
     from llama import Llama
-    from llama.download import default_model_dir
+    from llama.convert.fetch import default_model_dir
 
     return Llama.build(default_model_dir(), max_seq_len=max_seq_len, max_batch_size=1, device="cpu",
                        dtype="bfloat16", quantize=method, compile=compile)

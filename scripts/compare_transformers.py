@@ -8,7 +8,7 @@
 All load the default model (SmolLM2-135M-Instruct, from the same GGUF) on the CPU and decode greedily at
 batch 1 from the same prompt token ids, each with its KV cache, ignoring stop tokens. Ours runs in float32
 eagerly (`--no-compile`) and compiled, as every command runs with no flag (compiled before any timing: on the CPU
-the stored package of llama/aot.py; --torch_compile adds the step torch.compile makes in the process);
+the stored package of llama/compile/aot.py; --torch_compile adds the step torch.compile makes in the process);
 with --quantize int8 / int4, unless
 --noquantized, on each of --quant_kernels: "integer" (the integer kernels of llama/kernels, float32 eager
 and compiled, and bf16) and "exact" (the weight-only paths: float32 compiled, bf16 eager and compiled).
@@ -210,12 +210,12 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
          torch_compile: bool = False, batch: int = 1):
     import transformers as transformers_module
     from llama import Llama
-    from llama.download import default_model_dir, default_model_gguf
-    from llama.quant_format import read_record
+    from llama.convert.fetch import default_model_dir, default_model_gguf
+    from llama.quant.format import read_record
 
     torch.set_num_threads(threads)
     lengths = [int(n) for n in _list(new_tokens)]
-    from llama.cli.progress import ProgressPrinter
+    from llama.cli.printer import ProgressPrinter
 
     default = ckpt is None
     ckpt = default_model_dir(progress=ProgressPrinter(prefix="llama-download: ")) if default else Path(ckpt)
@@ -227,7 +227,7 @@ def main(new_tokens="128,512", repeats: int = 3, threads: int = 2, compile: bool
         ours["ours"] = Llama.build(ckpt, dtype="float32", compile=False, **build)
         if compile:
             ours["ours --compile"] = Llama.build(ckpt, dtype="float32", compile=True, **build)
-        if torch_compile:  # the compiled step as it was before the stored packages (llama/aot.py)
+        if torch_compile:  # the compiled step as it was before the stored packages (llama/compile/aot.py)
             os.environ["LLAMA_COMPILE_AOT"] = "0"
             ours["ours --compile, torch.compile"] = Llama.build(ckpt, dtype="float32", compile=True, **build)
             del os.environ["LLAMA_COMPILE_AOT"]

@@ -48,7 +48,7 @@ def run(llama, prompt_ids, n):
 
 def main(new_tokens: int = 64, repeats: int = 5, threads: int = 2):
     from llama import Llama
-    from llama.download import default_model_dir
+    from llama.convert.fetch import default_model_dir
 
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         raise SystemExit("this torch has no oneDNN linear op; nothing to compare")

@@ -15,10 +15,10 @@ from typing import Optional
 
 import fire
 
-from llama.checkpoint import expected_shapes, model_args
-from llama.random_weights import PRESETS, write_random_weights
-from llama.cli.progress import ProgressPrinter
-from llama.devices import resolve_dtype
+from llama.io.checkpoint import expected_shapes, model_args
+from llama.io.random_weights import PRESETS, write_random_weights
+from llama.cli.printer import ProgressPrinter
+from llama.runtime.devices import resolve_dtype
 from llama.errors import LlamaError
 from llama.tokenizer import Tokenizer
 

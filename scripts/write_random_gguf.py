@@ -17,9 +17,9 @@ from typing import Optional
 import fire
 import numpy as np
 
-from llama.checkpoint import model_args
-from llama.random_weights import PRESETS
-from llama.cli.progress import ProgressPrinter
+from llama.io.checkpoint import model_args
+from llama.io.random_weights import PRESETS
+from llama.cli.printer import ProgressPrinter
 from llama.errors import LlamaError
 
 # Offsets of the float16 fields in a block of each type: (scale d, min m or None).

@@ -19,15 +19,15 @@ def pytest_configure(config):
     # The tests compare commands, run as subprocesses, with models built here on the CPU (helpers.build): on a
     # machine with a GPU the commands must run on the CPU too. tests/test_cuda.py asks for the GPU by name.
     os.environ["LLAMA_DEVICE"] = "cpu"
-    # The commands' default compiles the decode step once per model shape and batch size (llama/aot.py): the
-    # tests of other things run the plain eager step, and tests/test_compile.py tests the default itself.
+    # The commands' default compiles the decode step once per model shape and batch size (llama/compile/aot.py): the
+    # tests of other things run the plain eager step, and tests/compile/test_compile.py tests the default itself.
     os.environ["LLAMA_COMPILE"] = "0"
     # The integer kernels (llama/kernels) build once into pytest's cache rather than the user's $LLAMA_HOME:
     # every test and subprocess of a run shares that build, the next run reuses it, a changed source rebuilds.
     if not os.environ.get("LLAMA_KERNELS_DIR"):
         cache = getattr(config, "cache", None)
         os.environ["LLAMA_KERNELS_DIR"] = str(cache.mkdir("llama-kernels") if cache else tempfile.mkdtemp())
-    # The same for the compiled steps' packages (llama/aot.py).
+    # The same for the compiled steps' packages (llama/compile/aot.py).
     if not os.environ.get("LLAMA_COMPILED_DIR"):
         cache = getattr(config, "cache", None)
         os.environ["LLAMA_COMPILED_DIR"] = str(cache.mkdir("llama-compiled") if cache else tempfile.mkdtemp())

@@ -11,8 +11,10 @@ import copy
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import List
@@ -21,9 +23,10 @@ import numpy as np
 import torch
 
 from llama import Llama
-from llama.checkpoint import params_dict, save_checkpoint
+from llama.io.checkpoint import params_dict, save_checkpoint
 from llama.model import ModelArgs
-from llama.random_weights import random_state_dict, write_random_checkpoint
+from llama.io.random_weights import random_state_dict, write_random_checkpoint
+from llama.server.engine import Delta, Done, Failed
 from llama.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -185,7 +188,7 @@ def first_stop(tokens: List[int], stop_ids) -> int:
 
 def dequantize_stored(state: dict, prefix: str) -> torch.Tensor:
     """The float32 (out, in) weight that the quantized tensors `{prefix}weight`, `scales` (and `mins`) of a state
-    dict stand for, worked out here from the on-disk format (llama/quant_format.py) rather than by the library,
+    dict stand for, worked out here from the on-disk format (llama/quant/format.py) rather than by the library,
     so that a test comparing a layer with it compares two independent computations.
 
     int8: value x scale of its group. int4: two values a byte, column 2j in the low nibble and 2j + 1 in the
@@ -301,7 +304,7 @@ def write_gguf(model, path: Path) -> Path:
 def without_kernels(llama: Llama) -> Llama:
     """A copy of a loaded model whose quantized layers take the exact fallback (widening the weight), as a
     torch without the private quantized kernels would run it."""
-    from llama.linears import Int4KernelLinear, Int8KernelLinear, choose_layer_classes
+    from llama.quant.linears import Int4KernelLinear, Int8KernelLinear, choose_layer_classes
 
     model = choose_layer_classes(copy.deepcopy(llama.model), kernels=False)
     assert not any(isinstance(m, (Int8KernelLinear, Int4KernelLinear)) for m in model.modules())
@@ -314,3 +317,115 @@ def wait_for(what: str, predicate, timeout: float = 60.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
         time.sleep(0.05)
+
+
+# llama-server, in process and as a subprocess, for the tests of the server and of what it serves.
+
+KEY = "test-key-123"
+SERVER_MAX_SEQ_LEN = 256
+
+
+def make_engine(llama, num_blocks=64, block_size=4, parallel=8, prefill_chunk=16, kv_cache=True):
+    """llama-server's serving loop over `llama` (llama/server/app.py), started, with a KV cache of `num_blocks`."""
+    from llama.server.app import start_engine
+
+    return start_engine(llama, parallel=parallel, kv_cache_size=num_blocks * block_size, block_size=block_size,
+                        prefill_chunk=prefill_chunk, kv_cache=kv_cache).engine
+
+
+class Collector:
+    """A job's events, and a way to wait for its end."""
+
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, event):
+        self.events.append(event)
+        if isinstance(event, (Done, Failed)):
+            self.done.set()
+
+    def texts(self, n=1):
+        out = [""] * n
+        for e in self.events:
+            if isinstance(e, Delta):
+                out[e.index] += e.text
+        return out
+
+    def finish_reasons(self, n=1):
+        out = [None] * n
+        for e in self.events:
+            if isinstance(e, Delta) and e.finish_reason:
+                out[e.index] = e.finish_reason
+        return out
+
+    def usage(self) -> Done:
+        return next(e for e in self.events if isinstance(e, Done))
+
+
+def run_jobs(engine, jobs):
+    collectors = []
+    for job in jobs:
+        job.emit = Collector()
+        collectors.append(job.emit)
+        engine.submit(job)
+    for c in collectors:
+        assert c.done.wait(120), "a job did not finish"
+        assert not any(isinstance(e, Failed) for e in c.events), c.events
+    return collectors
+
+
+def solo(llama, prompt, max_tokens, **kwargs):
+    tokens, logprobs = llama.generate([prompt], max_tokens, temperature=kwargs.pop("temperature", 0), **kwargs)
+    return tokens[0], (logprobs[0] if logprobs else None)
+
+
+def prompts(llama):
+    """Eight prompts: some share a long prefix (a system prompt), one is a prefix of another, lengths differ."""
+    enc = lambda s: llama.tokenizer.encode(s, bos=True, eos=False)  # noqa: E731
+    system = "You are a careful assistant. Answer the question in one short sentence, then stop. "
+    return [enc(system + q) for q in ("What is a list?", "What is a dict?", "Why is the sky blue?", "")] + [
+        enc("def fibonacci(n):"), enc("A"), enc("The capital of France is"), enc("The capital of France is Paris, and")]
+
+
+class Server:
+    """A llama-server subprocess, its URL once it is ready, and the lines it has logged."""
+
+    def __init__(self, ckpt, *flags, max_seq_len: int = SERVER_MAX_SEQ_LEN,
+                 launcher=(sys.executable, "-m", "llama.cli.server"), env=None):
+        model = ["--ckpt-dir", str(ckpt)] if ckpt is not None else []  # None: the flags name it
+        cmd = [*launcher, *model, "--port", "0", "--max-seq-len", str(max_seq_len), *map(str, flags)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": "", **(env or {})}
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
+        self.lines, self.ready = [], threading.Event()
+        self.url = None
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(180):
+            self.proc.kill()
+            raise AssertionError("the server did not start:\n" + "\n".join(self.lines))
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+            if "listening on " in line and self.url is None:
+                self.url = line.split("listening on ")[1].split()[0]
+                self.ready.set()
+        self.ready.set()
+
+    def client(self, key=KEY):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    def metrics(self):
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}

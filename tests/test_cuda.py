@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from helpers import REPO, TORCHRUN, build, generate
+from helpers import REPO, TORCHRUN, build, generate, make_engine, prompts, run_jobs, solo
 from llama.server.engine import Job
 
 # The default device again for the commands run here, which conftest.py sets to the CPU for the other tests.
@@ -93,7 +93,6 @@ def test_the_compiled_step_gives_the_eager_logits(gqa_ckpt):
 
 
 def test_the_server_s_batched_steps_give_generate_s_answers(gqa_ckpt):
-    from test_engine import make_engine, prompts, run_jobs, solo
 
     llama = build(gqa_ckpt, device="cuda", max_seq_len=128)
     engine = make_engine(llama, num_blocks=40, block_size=4, prefill_chunk=8)  # small enough to preempt

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import build
-from llama.checkpoint import load_checkpoint, model_args, read_params
+from llama.io.checkpoint import load_checkpoint, model_args, read_params
 from reference import reference_logits
 
 PROMPTS = [

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.chat_format import encode_dialog
-from llama.download import default_model_dir, default_model_gguf
+from llama.chat.dialog import encode_dialog
+from llama.convert.fetch import default_model_dir, default_model_gguf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers needs it to load a GGUF file

@@ -12,10 +12,11 @@ from typing import List
 
 import torch
 
-from llama.bench import Run, measure
+from llama.eval.speed import Run, measure
 from llama.cli.common import fail, run, whole_numbers
+from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
-from llama.files import write_atomically
+from llama.runtime.files import write_atomically
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 1024)
 
@@ -27,6 +28,7 @@ def _progress(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+@with_model_flags
 def main(
     ckpt_dir: str = None,
     tokenizer_path: str = None,
@@ -59,18 +61,13 @@ def main(
         llama-bench --ckpt-dir llama-2-7b --device cuda --lengths 128,512,2048
 
     Args:
-        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
-            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
-            default model, fetched on first use.
-        tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
+        <model flags>
         lengths: comma-separated numbers of new tokens to report (capped by max_seq_len).
         batch_sizes: comma-separated batch sizes, e.g. 1,4,16.
         prompt: the prompt every row starts from.
         time_budget: seconds one run may take before it stops early.
         modes: cache, no-cache, or both (comma-separated).
         max_seq_len: the context limit; prompt plus the longest length must fit.
-        device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
-        dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         out_dir: where bench.csv, bench.json and bench.png are written.
         plot: draw bench.png (needs matplotlib).
         warmup: tokens generated once before measuring, to settle kernels and allocators (and to load or
@@ -80,12 +77,6 @@ def main(
             (built once per model shape and batch size, then loaded from $LLAMA_HOME), and the uncached ones
             run eagerly; the table says which step each mode ran.
         no_compile: run every step eagerly, as the plain reference model does.
-        quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
-            channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
-            loads as stored without it.
-        quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
-            llama-generate).
-        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
     ckpt_dir = model_flag(ckpt_dir, model)
     lengths = whole_numbers(lengths, "--lengths")
@@ -96,9 +87,9 @@ def main(
     if time_budget <= 0:
         fail(f"--time-budget must be positive, not {time_budget}")
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), 1, device, dtype,
-                             compile_flag(compile, no_compile, no_kv_cache=mode_names == ["no-cache"]), quantize,
-                             quant_kernels, batch_sizes[0])
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), seed=1, device=device,
+                             dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache=mode_names == ["no-cache"]),
+                             quantize=quantize, quant_kernels=quant_kernels, compile_batch_size=batch_sizes[0])
     prompt_tokens = llama.tokenizer.encode(str(prompt), bos=True, eos=False)
     longest = min(max(lengths), max_seq_len - len(prompt_tokens))
     if longest < 1:

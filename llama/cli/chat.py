@@ -5,14 +5,15 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from llama.chat_format import has_special_tags
+from llama.chat.dialog import has_special_tags
 from llama.cli.common import as_flags, fail, run
+from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
-from llama.conversation import Conversation
+from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
 from llama.generation import check_sampling
-from llama.prompt_cache import PromptCacheError, check_writable
+from llama.io.prompt_cache import PromptCacheError, check_writable
 
 HELP = "Type a message and press Enter. /reset clears the history; Ctrl-D (or /exit) leaves."
 
@@ -36,6 +37,7 @@ def _read_line(llama) -> Optional[str]:
     return line
 
 
+@with_model_flags
 def main(
     ckpt_dir: str = None,
     tokenizer_path: str = None,
@@ -65,10 +67,7 @@ def main(
     note on stderr.
 
     Args:
-        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
-            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
-            default model, fetched on first use.
-        tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
+        <model flags>
         system: a system prompt that starts the conversation (and survives /reset).
         no_kv_cache: feed the whole prefix every step instead of caching keys and values. Same replies, slower.
         temperature: sampling temperature; 0 is greedy.
@@ -76,8 +75,6 @@ def main(
         max_gen_len: the most tokens in one reply.
         max_seq_len: the most tokens the conversation plus a reply may use.
         seed: seed of the sampler.
-        device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
-        dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         stats: after each reply, print to stderr the prompt tokens reused from the cache and prefilled,
             the prefill time and the decode tokens/s.
         compile: compile the decode step even where the default would not: on a GPU (torch.compile,
@@ -90,12 +87,6 @@ def main(
         session: a file that keeps the conversation and its KV cache: resumed from it (its messages, system
             prompt included) when it exists and belongs to this model, saved to it after every reply. A file
             from another model, or damaged, is reported in one line and replaced.
-        quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
-            channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
-            loads as stored without it.
-        quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
-            llama-generate).
-        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
     ckpt_dir = model_flag(ckpt_dir, model)
     if max_gen_len < 1:
@@ -105,8 +96,9 @@ def main(
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
     if session is not None:
         check_writable(Path(str(session)))
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, 1, seed, device, dtype,
-                             compile_flag(compile, no_compile, no_kv_cache), quantize, quant_kernels)
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1, seed=seed, device=device,
+                             dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache), quantize=quantize,
+                             quant_kernels=quant_kernels)
     if session is not None and llama.info.world_size > 1:
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)

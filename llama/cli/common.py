@@ -147,7 +147,7 @@ def exit_now() -> NoReturn:
             stream.flush()
         except (OSError, ValueError):  # a reader that went away (`| head`), or a closed stream
             status = EXIT_ERROR
-    compile_module = sys.modules.get("llama.compile")
+    compile_module = sys.modules.get("llama.compile.step")
     if compile_module is not None:  # a first run's stored step, built while it answered, is stored for the next
         compile_module.finish_background_builds()
         sys.stderr.flush()

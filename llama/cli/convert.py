@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from llama.cli.common import run
-from llama.cli.progress import ProgressPrinter
+from llama.cli.printer import ProgressPrinter
 from llama.errors import LlamaError
 
 
@@ -30,7 +30,7 @@ def main(src: str, dest: str, quantize: Optional[str] = None, dequantize: bool =
     """
     from llama.convert.gguf import convert_gguf
     from llama.convert.hf import convert_hf
-    from llama.convert.quantize import check_method, convert_meta
+    from llama.convert.quantize_checkpoint import check_method, convert_meta
 
     quantize = check_method(None if quantize is None else str(quantize))
     src_path, dest_path = Path(str(src)).expanduser(), Path(str(dest)).expanduser()

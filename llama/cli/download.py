@@ -31,15 +31,15 @@ def main(name: str = "SmolLM2-135M-Instruct", dest: Optional[str] = None, list: 
         return print_list()
     if clear_converted:
         return print_cleared()
-    from llama.cli.progress import ProgressPrinter
-    from llama.download import download
+    from llama.cli.printer import ProgressPrinter
+    from llama.convert.fetch import download
 
     print(download(str(name), None if dest is None else str(dest), progress=ProgressPrinter(prefix="llama-download: ")))
 
 
 def print_list() -> None:
     from llama.convert.cache import cache_dir, cached_conversions, format_bytes, leftover_bytes
-    from llama.paths import home_dir
+    from llama.runtime.paths import home_dir
 
     home, entries, leftovers = home_dir(), cached_conversions(), leftover_bytes()
     print(f"converted checkpoints in {cache_dir()}:")

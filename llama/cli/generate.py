@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_numbers
+from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
-from llama.identity import describe, model_identity
-from llama.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
-from llama.session import Session
+from llama.io.identity import describe_model, model_identity
+from llama.io.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
+from llama.nn.session import Session
 
 
 def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> List[str]:
@@ -37,6 +38,7 @@ def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> List[str
     return prompts
 
 
+@with_model_flags
 def main(
     prompt: str = None,
     prompts_file: str = None,
@@ -77,10 +79,7 @@ def main(
     Args:
         prompt: the text to continue.
         prompts_file: a UTF-8 file with one prompt per line (instead of --prompt); they run as one batch.
-        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
-            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
-            default model, fetched on first use.
-        tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
+        <model flags>
         echo: print the prompt before its continuation.
         no_kv_cache: feed the whole prefix every step instead of caching keys and values. Same text, slower.
         temperature: sampling temperature; 0 is greedy.
@@ -89,8 +88,6 @@ def main(
         max_seq_len: the most tokens (prompt plus generation) a run may use.
         max_batch_size: the most prompts in one run.
         seed: seed of the sampler; the same seed gives the same text.
-        device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
-        dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
         logprobs: also report each generated token's log-probability (with --json or --stats).
         json: print one JSON object per prompt (text, token ids, logprobs if asked, timings).
         stats: print prompt tokens, prefill time, decode tokens/s and KV-cache bytes to stderr, and the seconds
@@ -110,14 +107,6 @@ def main(
         prompt_cache: a file of the prompt's keys and values. When it exists and belongs to this model, the
             prompt's tokens after the longest prefix it holds are all that is fed; the prompt's keys and
             values are then saved there for the next run. Same text as without it; one prompt only.
-        quantize: int8 or int4: hold every linear layer's weights quantized as they load (int8 per output
-            channel, int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized
-            loads as stored without it.
-        quant_kernels: what quantized weights multiply with on the CPU: integer (the default; activations
-            rounded to int8 blocks too, integer dot products as llama.cpp does: fast) or exact (the
-            activations as they are times the dequantized weights: cached and uncached runs agree to float
-            rounding).
-        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
         precompile: build the compiled decode step this model and these flags will use, store it, and exit
             without generating, so that no later run pays for it (llama-chat uses the same one). Alone, for
             one prompt at a time; with batch sizes (--precompile 1,4), for each: a --prompts-file of N
@@ -131,8 +120,9 @@ def main(
         if no_compile or no_kv_cache:
             fail("--precompile builds the compiled decode step with the KV cache; leave out --no-compile and --no-kv-cache")
         sizes = batch_sizes(precompile)
-        llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(max_batch_size, *sizes), seed, device,
-                                 dtype, "auto", quantize, quant_kernels, sizes[0])
+        llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(max_batch_size, *sizes), seed=seed,
+                                 device=device, dtype=dtype, compile="auto", quantize=quantize,
+                                 quant_kernels=quant_kernels, compile_batch_size=sizes[0])
         store_compiled_steps(llama, sizes)
         return
     prompts = read_prompts(prompt, prompts_file)
@@ -148,8 +138,9 @@ def main(
         check_writable(Path(str(prompt_cache)))
 
     load_start = time.perf_counter()
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed, device, dtype,
-                             compile_flag(compile, no_compile, no_kv_cache), quantize, quant_kernels, len(prompts))
+    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=seed, device=device,
+                             dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache), quantize=quantize,
+                             quant_kernels=quant_kernels, compile_batch_size=len(prompts))
     load_s = time.perf_counter() - load_start
     if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")
@@ -212,7 +203,7 @@ def main(
         lines = [
             f"kv cache:        {'on' if not no_kv_cache else 'off'}",
             f"device:          {llama.device}",
-            f"compiled:        {f'yes ({llama.compiled_step.describe()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
+            f"compiled:        {f'yes ({llama.compiled_step.describe_origin()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"
             + (f", on the {llama.info.quant_kernels} kernels" if llama.info.quant_kernels else ""),
             f"prompt tokens:   {sum(len(p) for p in prompt_tokens)} in {len(prompts)} prompt(s)",
@@ -278,7 +269,7 @@ class PromptCacheFile:
         """Save the prompt's keys and values, unless the file holds exactly them already."""
         self.session.keep(len(prompt))  # the generated tokens are not part of the prompt
         if self.session.tokens != self.loaded and len(self.session.tokens) == len(prompt):
-            save_prompt_cache(self.path, self.session, self.identity, describe(self.llama))
+            save_prompt_cache(self.path, self.session, self.identity, describe_model(self.llama))
 
 
 def _timings(start: float, step_times: List[float], end: float) -> dict:

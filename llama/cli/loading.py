@@ -6,14 +6,14 @@ from pathlib import Path
 from typing import Optional, Union
 
 from llama.cli.common import as_flags, fail
-from llama.cli.progress import ProgressPrinter
-from llama.compile import default_compile
+from llama.cli.printer import ProgressPrinter
+from llama.compile.step import default_compile
 from llama.convert.cache import resolve_checkpoint
-from llama.devices import resolve_device
-from llama.download import default_model_dir
+from llama.runtime.devices import resolve_device
+from llama.convert.fetch import default_model_dir
 from llama.errors import LlamaError
 from llama.generation import Llama
-from llama.progress import Progress
+from llama.runtime.progress import Progress
 
 
 def default_ckpt_dir() -> str:
@@ -23,7 +23,7 @@ def default_ckpt_dir() -> str:
 
 def compile_flag(compile: bool, no_compile: bool, no_kv_cache: bool = False) -> Union[bool, str]:
     """What --compile and --no-compile ask of Llama.build: True, False, or where neither is given what
-    $LLAMA_COMPILE says (llama.compile.default_compile: unset, "auto", the stored compiled step wherever it can be
+    $LLAMA_COMPILE says (llama.compile.step.default_compile: unset, "auto", the stored compiled step wherever it can be
     had and every other step eager)."""
     if compile and no_compile:
         fail("--compile and --no-compile contradict each other; give one")
@@ -39,7 +39,7 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
                      compile_batch_size: int = 1) -> Llama:
     ckpt_dir = converted(ckpt_dir) if ckpt_dir is not None else None
     if compile is True and resolve_device(device).type != "cpu":
-        # On the CPU the step comes from a stored package, and building one reports itself (llama/aot.py).
+        # On the CPU the step comes from a stored package, and building one reports itself (llama/compile/aot.py).
         print("compiling the decode step (--compile): one to two minutes the first time, seconds once Inductor "
               "has it cached on disk", file=sys.stderr, flush=True)
     llama = Llama.build(

@@ -4,9 +4,10 @@ import json as jsonlib
 from pathlib import Path
 
 from llama.cli.common import fail, run
+from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, is_main_rank, model_flag
-from llama.cli.progress import ProgressPrinter
-from llama.perplexity import check_ctx, perplexity, window_starts
+from llama.cli.printer import ProgressPrinter
+from llama.eval.likelihood import check_ctx, perplexity, window_starts
 
 
 def read_text(path: Path) -> str:
@@ -26,6 +27,7 @@ def read_text(path: Path) -> str:
     return text
 
 
+@with_model_flags
 def main(
     file: str = None,
     ctx: int = 512,
@@ -59,18 +61,9 @@ def main(
         chunk_size: with the KV cache, each window is fed in chunks of this many tokens, each reading the
             keys and values of the chunks before it from the cache. Without it (--no-kv-cache) a window is
             one forward pass. Same perplexity either way.
-        ckpt_dir: a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file
-            or a Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the
-            default model, fetched on first use.
-        tokenizer_path: tokenizer file; default: the one in (or beside) the checkpoint directory.
+        <model flags>
         no_kv_cache: feed each window whole instead of in chunks through the KV cache.
-        device: cpu, cuda or cuda:N; default CUDA when present, else CPU.
-        dtype: float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.
-        quantize: int8 or int4: quantize the linear layers' weights while loading (see llama-generate).
-        quant_kernels: integer (the default) or exact: what quantized weights multiply with on the CPU (see
-            llama-generate).
         json: print one JSON object (perplexity, its standard error, tokens scored, per-window figures).
-        model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
     ckpt_dir = model_flag(ckpt_dir, model)
     if file is None:

@@ -1,25 +1,25 @@
 """Printing generated text as it arrives, so that what was streamed equals the final text."""
 
-from typing import List, Sequence, TextIO
+from typing import Sequence, TextIO
+
+from llama.detokenize import TextState
 
 
 class TextStream:
-    """Decode a growing token list and print only what is new.
+    """Print a growing token list's new text as it is released (llama/detokenize.py), stopping at a stop token.
 
-    Decoding the whole list each time, rather than token by token, keeps SentencePiece's leading spaces
-    and multi-byte characters right: a character split across byte tokens is held back until it is
-    complete (its partial decoding ends in U+FFFD), and the text printed is always a prefix of the
-    final decoding.
+    What is printed is always a prefix of the final decoding: a character split across byte tokens is held
+    back until it is complete, and a decoding that revised earlier text waits for more.
     """
 
     def __init__(self, tokenizer, prefix: Sequence[int], out: TextIO):
         self.tokenizer = tokenizer
         self.out = out
-        self.tokens: List[int] = list(prefix)
+        self.text = TextState(tokenizer)
         self.printed = ""
         self.stopped = False
-        if self.tokens:
-            self._emit()
+        if prefix:
+            self._write(self.text.extend(prefix)[0])
 
     def push(self, token: int) -> None:
         if self.stopped:
@@ -27,8 +27,7 @@ class TextStream:
         if token in self.tokenizer.stop_ids:
             self.stopped = True
             return
-        self.tokens.append(token)
-        self._emit()
+        self._write(self.text.push(token)[0])
 
     def finish(self, final_tokens: Sequence[int]) -> None:
         """Print whatever of the final text is still missing, and end the line."""
@@ -38,10 +37,8 @@ class TextStream:
         self.out.write("\n")
         self.out.flush()
 
-    def _emit(self) -> None:
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd") or not text.startswith(self.printed):
-            return  # an incomplete character, or a decoding that revised earlier text: wait for more
-        self.out.write(text[len(self.printed):])
-        self.out.flush()
-        self.printed = text
+    def _write(self, piece: str) -> None:
+        if piece:
+            self.out.write(piece)
+            self.out.flush()
+            self.printed += piece

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from llama.errors import LlamaError
-from llama.files import sha256_file, write_atomically
-from llama.paths import home_dir
-from llama.progress import Progress
+from llama.runtime.files import sha256_file, write_atomically
+from llama.runtime.paths import home_dir
+from llama.runtime.progress import Progress
 
 try:
     import fcntl
@@ -64,7 +64,7 @@ Notice = Callable[[str], None]
 
 
 def cache_dir() -> Path:
-    """Where converted sources are kept: `$LLAMA_HOME/converted` (see `llama.paths.home_dir`)."""
+    """Where converted sources are kept: `$LLAMA_HOME/converted` (see `llama.runtime.paths.home_dir`)."""
     return home_dir() / CACHE_DIR_NAME
 
 

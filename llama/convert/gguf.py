@@ -4,7 +4,7 @@ GGUF keeps Meta's order of the q and k rows: llama.cpp's converter permutes Hugg
 the interleaved rotary layout, which is why transformers permutes them again when it loads a GGUF file.
 So the weights need only new names. Linear layers' weights and the embedding of types Q8_0, Q4_0 and Q4_1
 stay quantized, exactly (llama/convert/gguf_quant.py; a model looks the embedding's rows up in those blocks,
-llama/embedding.py), and linear weights of the k-quants Q6_K, Q4_K and Q5_K become the nearest of our formats;
+llama/quant/embedding.py), and linear weights of the k-quants Q6_K, Q4_K and Q5_K become the nearest of our formats;
 other quantized types, and an embedding of a k-quant, become float32 (their exact dequantized values); float
 tensors keep their type. A model with tied embeddings gets an output layer of its own (Meta's layout has no
 tying), held as the embedding's type is.
@@ -19,15 +19,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from llama import quant_format
-from llama.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
+from llama.quant import format as quant_format
+from llama.io.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
 from llama.convert.gguf_quant import EXACT_TYPES, KEPT_TYPES, dequantize_exact, keep_quantized
 from llama.convert.gguf_scan import GGUFLayout, check_gguf_structure
 from llama.convert.hf import meta_params, tied_output
 from llama.convert.hf_tokenizer import byte_level_tokenizer_json, tokenizer_config
-from llama.convert.quantize import add_quantized, check_method, quantize_tensor
+from llama.convert.quantize_checkpoint import add_quantized, check_method, quantize_tensor
 from llama.errors import LlamaError
-from llama.progress import Progress, or_silent
+from llama.runtime.progress import Progress, or_silent
 
 ARCHITECTURE = "llama"
 

@@ -1,4 +1,4 @@
-"""GGUF's quantized blocks laid onto llama/quant_format.py's layout, without widening them to float.
+"""GGUF's quantized blocks laid onto llama/quant/format.py's layout, without widening them to float.
 
 A GGUF tensor of a quantized type is, row by row, a run of blocks that each hold a scale (and maybe a
 minimum) beside their packed values. Three of llama.cpp's types are our layout with the blocks of a row
@@ -24,7 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from llama import quant_format
+from llama.quant import format as quant_format
 
 QK_K = 256  # a k-quant super-block
 

@@ -14,12 +14,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from llama.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
+from llama.io.checkpoint import check_dest, check_state_dict, expected_shapes, model_args, save_checkpoint
 from llama.convert.hf_tokenizer import tokenizer_config
 from llama.errors import LlamaError
-from llama.files import read_json_object
+from llama.runtime.files import read_json_object
 from llama.model import ModelArgs
-from llama.progress import Progress
+from llama.runtime.progress import Progress
 
 # Meta's default rounding of the feed-forward width; hidden_dim is written only when it cannot say the width.
 MULTIPLE_OF = 256
@@ -138,13 +138,13 @@ def convert_hf(src: Path, dest: Path, overwrite: bool = False, quantize: Optiona
     """Convert a Hugging Face LLaMA directory into a checkpoint directory in Meta's layout, atomically.
 
     Args:
-        quantize: None, or "int8" / "int4" to quantize every linear weight (llama/convert/quantize.py).
+        quantize: None, or "int8" / "int4" to quantize every linear weight (llama/convert/quantize_checkpoint.py).
         progress: told of the tensors quantized and the bytes written.
 
     Raises:
         LlamaError: as `read_hf`, or `dest` exists and is not empty (without `overwrite`).
     """
-    from llama.convert.quantize import check_method, quantize_state_dict
+    from llama.convert.quantize_checkpoint import check_method, quantize_state_dict
 
     check_method(quantize)
     check_dest(dest, overwrite)

@@ -13,11 +13,11 @@ import tempfile
 from pathlib import Path, PurePosixPath
 from typing import List, Optional, Tuple, Union
 
-from llama import paths
+from llama.runtime import paths
 from llama.convert.spm_from_gguf import write_sentencepiece_model
 from llama.errors import LlamaError
-from llama.pip_fetch import pip_download
-from llama.progress import Progress, or_silent, step
+from llama.convert.pip_fetch import pip_download
+from llama.runtime.progress import Progress, or_silent, step
 
 # Pinned so that the vocabulary and the expected ids never change under the tests.
 _SDIST_PACKAGE = "llama-cpp-python"
@@ -54,8 +54,8 @@ def fetch_llama2_vocab(dest_dir: Optional[Union[str, os.PathLike]] = None,
     into place.
 
     Args:
-        dest_dir: the directory to fill; default `<llama home>/llama2-tokenizer` (see `llama.paths`).
-        progress: told how each step goes (see `llama.progress`); None for silence.
+        dest_dir: the directory to fill; default `<llama home>/llama2-tokenizer` (see `llama.runtime.paths`).
+        progress: told how each step goes (see `llama.runtime.progress`); None for silence.
 
     Returns:
         The directory, holding `ggml-vocab-llama-spm.gguf`, its `.inp` and `.out` files, and

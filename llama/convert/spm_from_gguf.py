@@ -13,7 +13,7 @@ import gguf
 from sentencepiece import sentencepiece_model_pb2 as spm_pb2
 
 from llama.errors import LlamaError
-from llama.files import write_atomically
+from llama.runtime.files import write_atomically
 
 _Piece = spm_pb2.ModelProto.SentencePiece
 

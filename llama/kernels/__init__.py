@@ -3,10 +3,10 @@ a small C++ extension built at first use.
 
 `load()` builds (once per version, torch and CPU; llama/kernels/build.py) and loads the extension, whose ops
 live in `torch.ops.llama_kv` and are registered with fake implementations here, so `torch.compile` traces
-them as it does torch's own. The layer classes that call them are in llama/linears.py; the C++ is under
+them as it does torch's own. The layer classes that call them are in llama/quant/linears.py; the C++ is under
 `csrc/`, one file per job, with the scalar loop every SIMD path must equal in `dot_scalar.cpp`.
 `f32_linear` (`f32_rows.cpp`) is the float32 one: a compiled float32 decode step multiplies its few rows with
-it (llama.linears.RowsLinear), reading each weight row once for all of them.
+it (llama.quant.linears.RowsLinear), reading each weight row once for all of them.
 
 Which instruction path runs is chosen from the CPU's flags when the library loads (the best of AVX-512 VNNI,
 AVX-VNNI, AVX2, scalar); `LLAMA_KERNEL_PATH` or `options(path=...)` forces one the CPU has, as the tests do.
@@ -18,7 +18,7 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from llama.progress import Progress
+from llama.runtime.progress import Progress
 
 PATHS = ("scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512vnni")  # in the library's numbering
 PATH_ENV = "LLAMA_KERNEL_PATH"

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from llama.paths import home_dir
-from llama.progress import Progress, or_silent, step
+from llama.runtime.paths import home_dir
+from llama.runtime.progress import Progress, or_silent, step
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp", "attention.cpp",

@@ -15,6 +15,8 @@ tree, cached, until its memory is needed: then the least recently released leaf 
 from collections import OrderedDict
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from llama.nn.session import common_prefix_len
+
 
 class Block:
     """One block: its number in the pool, who holds it, and what it caches."""
@@ -84,7 +86,7 @@ class BlockPool:
         rest = tokens[len(full) * bs : min(limit, (len(full) + 1) * bs)]
         best, best_n = None, 0
         for child in node.children.values():
-            n = _common_prefix_len(child.tokens, rest)
+            n = common_prefix_len(child.tokens, rest)
             if n > best_n:
                 best, best_n = child, n
         return full, ((best.id, best_n) if best is not None else None)
@@ -179,12 +181,3 @@ class BlockPool:
         del block.parent.children[block.tokens]
         block.parent, block.tokens = None, ()
         return block
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

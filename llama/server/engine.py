@@ -4,7 +4,7 @@ It joins the three rooms without letting them reach into each other. The HTTP la
 ids and sampling settings, no HTTP) and is told what happens through the job's `emit` callback, from the
 loop's thread. The scheduler decides each step over `Sequence`s; the runner feeds `Row`s. Here a job
 becomes its sequences (one per choice), a scheduled piece becomes a row, a sampled token becomes text
-(llama/server/text.py) and a finish reason.
+(llama/detokenize.py) and a finish reason.
 """
 
 import random
@@ -17,9 +17,9 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
 
 import torch
 
+from llama.detokenize import TextState
 from llama.server.runner import Result, Row, Runner, Sampler
 from llama.server.scheduler import WAITING, Scheduler, Sequence
-from llama.server.text import TextState
 
 
 class Unavailable(Exception):
@@ -138,6 +138,10 @@ class Engine:
     def check(self, prompt_len: int, max_tokens: int) -> Optional[str]:
         """Why a prompt of `prompt_len` tokens continued by up to `max_tokens` could never run, or None."""
         return self.scheduler.check_fits(prompt_len, max_tokens)
+
+    def most_new_tokens(self, prompt_len: int) -> Optional[int]:
+        """The most tokens a prompt of `prompt_len` tokens could be continued by, None without a limit."""
+        return self.scheduler.most_new_tokens(prompt_len)
 
     def submit(self, job: Job) -> None:
         """Queue a job (from any thread).

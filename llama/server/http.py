@@ -154,7 +154,8 @@ class _Run:
             if reason is not None:
                 raise ApiError(400, reason, "max_tokens" if params.max_tokens else ("messages" if chat else "prompt"),
                                "kv_cache_too_small")
-            max_tokens = params.max_tokens or min(room, self._fits(engine, len(prompt), room))
+            most = engine.most_new_tokens(len(prompt))
+            max_tokens = params.max_tokens or min(room, max(1, room if most is None else most))
             self.jobs.append(Job(prompt, max_tokens, partial(self._emit, k), n=params.n, temperature=params.temperature,
                                  top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
                                  echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
@@ -170,15 +171,6 @@ class _Run:
             raise ApiError(503 if isinstance(e, Unavailable) else 400, str(e),
                            code="server_busy" if isinstance(e, Unavailable) else "kv_cache_too_small") from None
         self.watch()
-
-    @staticmethod
-    def _fits(engine: Engine, prompt_len: int, room: int) -> int:
-        """The longest reply the KV cache could hold after this prompt, up to `room`."""
-        low, high = 1, room
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if engine.check(prompt_len, mid) is None else (low, mid - 1)
-        return low
 
     def _emit(self, k: int, event) -> None:  # from the engine's thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (k, event))

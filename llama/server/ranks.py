@@ -1,7 +1,7 @@
 """The server split across torchrun's processes: rank 0 serves and schedules, and every rank runs each step.
 
 Under `torchrun --nproc_per_node N --no-python llama-server ...` the model is split as every command splits it
-(llama/parallel.py): each rank holds a slice of the weights and of the KV cache's heads, and every step's
+(llama/nn/parallel.py): each rank holds a slice of the weights and of the KV cache's heads, and every step's
 collectives need all ranks in it. Rank 0 alone listens, schedules and samples. Before each step it sends the
 step (the block copies, and each row's tokens, first position, block table and which logits it needs) to
 the other ranks, which run the same step on their slices and wait for the next one. Sampling stays on rank

@@ -15,16 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama import aot, kernels
-from llama.aot import PagedStep, Unsupported
-from llama.compile import RECOMPILE_LIMIT, quiet_inductor
+from llama import kernels
+from llama.compile import aot
+from llama.compile.aot import PagedStep, Unsupported
+from llama.compile.step import RECOMPILE_LIMIT, quiet_inductor
 from llama.errors import LlamaError, first_line
 from llama.kernels.build import missing
 from llama.generation import sample
-from llama.linears import choose_layer_classes
-from llama.kv_cache import PagedKVCache
+from llama.quant.linears import choose_layer_classes
+from llama.nn.kv_cache import PagedKVCache
 from llama.model import Transformer
-from llama.progress import Progress
+from llama.runtime.progress import Progress
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Runner:
         model: the model, built and loaded.
         num_blocks, block_size: the KV cache's blocks; num_blocks 0 runs without a cache.
         compile: compile the decode step: True or "auto" (llama-server's default) on the CPU loads it from stored
-            packages (llama/aot.py's PagedStep, built first where there are none), "auto" running eagerly where
+            packages (llama/compile/aot.py's PagedStep, built first where there are none), "auto" running eagerly where
             it cannot be had; True on a GPU compiles it with torch.compile.
         max_rows: the most rows a decode step feeds (llama-server --parallel): the packages for up to that many
             are ready before serving.
@@ -129,7 +130,7 @@ class Runner:
         or only the last position's when no row wants them all."""
         n = len(rows[0].tokens)
         all_logits = any(row.all_logits for row in rows)
-        # Prompt chunks run eagerly, as llama/compile.py runs prompts: their lengths vary too much to compile.
+        # Prompt chunks run eagerly, as llama/compile/step.py runs prompts: their lengths vary too much to compile.
         compiled = self.compiled is not None and n == 1 and not all_logits
         # A compiled step would specialise on a table one block wide: pad to two (the padding is masked).
         width = max([len(row.blocks) for row in rows] + [2 if compiled else 1])
@@ -174,11 +175,10 @@ class Runner:
 class _ManyRowsOutput(nn.Module):
     """The output matrix laid out twice: as loaded for one row, and row-major for the server's many rows.
 
-    The model stores its wide matrices input-major, where MKL's one-row product is twice as fast; for 2-16
-    rows MKL's `F.linear` on that layout is several times slower than `torch.mm(W, x.T)` on a row-major copy
-    (8 rows of the default model's 49152 x 576 output: 46-50 ms against 20; a whole 8-row decode step 298 ->
-    237 ms, docs/benchmarks.md). The output matrix is the one where this shows, and it costs one more copy of
-    it (113 MB for the default model). Same weights, same state_dict; logits within float rounding.
+    The model stores its wide matrices input-major, where MKL's one-row product is fastest; for 2-16 rows MKL's
+    `F.linear` on that layout is several times slower than `torch.mm(W, x.T)` on a row-major copy (the figures:
+    docs/benchmarks.md, "Figures behind the code"). The output matrix, the widest, is the one where this shows, and it
+    costs one more copy of it. Same weights, same state_dict; logits within float rounding.
     """
 
     def __init__(self, layer: nn.Linear):
@@ -213,7 +213,7 @@ def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int,
     (tokens, positions, block tables). None where `auto` and it cannot be had (a note says why).
 
     The layers become the compiled path's classes and float weights are laid out row-major, as
-    `Llama.build(compile=True)` does for its step. On the CPU the step comes from stored packages (llama/aot.py),
+    `Llama.build(compile=True)` does for its step. On the CPU the step comes from stored packages (llama/compile/aot.py),
     one for a single row and one for each range of batch sizes up to `max_rows`, each serving every table width
     and pool size; elsewhere from torch.compile (not with `auto`), with batch size and table width symbolic so
     that no step met while serving compiles anything again (tested).
@@ -230,7 +230,7 @@ def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int,
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
             module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
     if model.device.type == "cpu" and model.dtype == torch.float32:
-        kernels.load(progress)  # few-row products on llama_kv.f32_linear, as llama/compile.py's step
+        kernels.load(progress)  # few-row products on llama_kv.f32_linear, as llama/compile/step.py's step
     choose_layer_classes(model, compiled=True)
     if ahead:
         step = PagedStep(model, cache, progress)

@@ -123,6 +123,13 @@ class Scheduler:
                     f"more than the {self.pool.num_blocks * bs} the server holds (--kv-cache-size)")
         return None
 
+    def most_new_tokens(self, prompt_len: int) -> Optional[int]:
+        """The most tokens a sequence of `prompt_len` tokens could generate in the whole KV cache, None without
+        a limit: exactly the `max_new` that `check_fits` passes."""
+        if self.pool is None:
+            return None
+        return self.pool.num_blocks * self.pool.block_size - prompt_len + 1  # the last token is never fed
+
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; it joins the batch at a later step."""
         assert seq.status == WAITING
@@ -154,15 +161,15 @@ class Scheduler:
         budget = self.prefill_chunk
         for seq in self.running:
             if self.pool is None:  # the whole prefix, every step
-                step.pieces.append(Piece(seq, 0, len(seq.tokens), True, seq.prompt_logprobs))
+                step.pieces.append(Piece(seq, 0, len(seq.tokens), sample=True, all_logits=seq.prompt_logprobs))
             elif not seq.prefilling:
-                step.pieces.append(Piece(seq, seq.computed, 1, True, False))
+                step.pieces.append(Piece(seq, seq.computed, 1, sample=True, all_logits=False))
             elif budget > 0:
                 n = min(len(seq.tokens) - seq.computed, budget)
                 budget -= n
                 done = seq.computed + n == len(seq.tokens)
                 wanted = seq.prompt_logprobs and seq.computed < seq.prompt_len
-                step.pieces.append(Piece(seq, seq.computed, n, done, wanted))
+                step.pieces.append(Piece(seq, seq.computed, n, sample=done, all_logits=wanted))
         return step
 
     def update(self, step: Step) -> None:

@@ -1,0 +1,40 @@
+"""The flags every command that loads a model shares, and their help text, written once."""
+
+import textwrap
+from typing import Callable
+
+# In the order a command's help lists them where its signature does not say otherwise.
+MODEL_FLAGS = {
+    "ckpt_dir": "a checkpoint directory in Meta's layout (params.json, consolidated.NN.pth), a .gguf file or a "
+                "Hugging Face LLaMA folder (converted once into $LLAMA_HOME/converted); default: the default model, "
+                "fetched on first use.",
+    "tokenizer_path": "tokenizer file; default: the one in (or beside) the checkpoint directory.",
+    "device": "cpu, cuda or cuda:N; default CUDA when present, else CPU.",
+    "dtype": "float32, bfloat16 or float16; default bf16 on CUDA, float32 on CPU.",
+    "quantize": "int8 or int4: hold every linear layer's weights quantized as they load (int8 per output channel, "
+                "int4 in groups of 32), for a smaller and faster model; a checkpoint stored quantized loads as stored "
+                "without it.",
+    "quant_kernels": "what quantized weights multiply with on the CPU: integer (the default; activations rounded to "
+                     "int8 blocks too, integer dot products as llama.cpp does: fast) or exact (the activations as "
+                     "they are times the dequantized weights: cached and uncached runs agree to float rounding).",
+    "model": "the same as --ckpt-dir, by llama.cpp's name (-m FILE).",
+}
+MARKER = "<model flags>"
+
+
+def model_flags_help(indent: int = 8, width: int = 116) -> str:
+    """The shared flags as entries of a docstring's Args section, the form fire reads its help from."""
+    lines = []
+    for name, text in MODEL_FLAGS.items():
+        lines += textwrap.wrap(f"{name}: {text}", width=width, initial_indent=" " * indent,
+                               subsequent_indent=" " * (indent + 4), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def with_model_flags(main: Callable) -> Callable:
+    """Write the shared flags' help where `main`'s docstring says `<model flags>`; fire shows it as `main`'s own."""
+    doc = main.__doc__
+    assert doc is not None and MARKER in doc, f"{main.__module__}.main's docstring has no {MARKER} line"
+    line = next(l for l in doc.splitlines() if MARKER in l)
+    main.__doc__ = doc.replace(line, model_flags_help(indent=len(line) - len(line.lstrip())))
+    return main

@@ -1,0 +1,458 @@
+"""The decode step compiled ahead of time: built once per model shape, stored under $LLAMA_HOME, loaded in milliseconds.
+
+`torch.compile` compiles the step again in every process (seconds with Inductor's cache, minutes without).
+Here the one-token step with the KV cache is exported (`torch.export`) with its positions as a tensor
+(`Transformer.forward(input_pos=...)`, as the server's batched step feeds them) and the cache's length as a
+symbolic size, then compiled by AOTInductor into a package of generated code without the weights, stored in
+`$LLAMA_HOME/compiled/<key>/` (or `$LLAMA_COMPILED_DIR/<key>/`). A later process loads the package and hands
+it the model's own tensors, uncopied.
+
+The key covers everything the generated code depends on: the model's shape, the name, shape, dtype and
+module class of every tensor (so the layer classes and the quantization), the batch size, the threads, this
+torch, the CPU's vector instructions and the sources of this package. The weights' values are not part of it,
+so one package serves every checkpoint of one shape. A package whose digest, metadata or load fails is built
+again, never run.
+"""
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from llama import kernels
+from llama.errors import first_line
+from llama.runtime.files import read_json_object, sha256_file, write_atomically
+from llama.nn.kv_cache import KVCache, PagedKVCache
+from llama.model import Transformer
+from llama.runtime.paths import home_dir
+from llama.runtime.progress import Progress, or_silent, step
+
+DIR_ENV = "LLAMA_COMPILED_DIR"
+FORMAT = 1  # of the entries: a new one makes every older entry a stranger, built anew
+PACKAGE = "step.pt2"
+META = "meta.json"
+# Caches of every length from 2 positions up share one package; generate() never decodes with a shorter one.
+_MIN_CACHE, _MAX_CACHE = 2, 1 << 20
+_SOURCES = Path(__file__).resolve().parents[1]  # the whole llama package
+
+
+def quiet_inductor() -> None:
+    """Hold back Inductor's messages about its own choices, for the rest of the process: the rotary
+    embedding's complex product, and with the C++ wrapper some view ops, go through slower generic calls.
+    That is its business, not the user's, and it would print them at every compilation."""
+    logging.getLogger("torch._inductor.ir").setLevel(logging.ERROR)
+    # "on error, temporary cache dir kept at ...": a failed build (no compiler) is reported in our own words.
+    logging.getLogger("torch._inductor.utils").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="Torchinductor does not support code generation for complex")
+    # torch 2.15, where a bf16 step reads an int4 layer's float16 scales.
+    warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed in the scheduler node")
+
+
+class _DecodeStep(nn.Module):
+    """What is exported: one token per row at its own position, written into per-layer caches given as tensors."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv: List[torch.Tensor]) -> torch.Tensor:
+        caches = [KVCache.wrap(kv[i], kv[i + 1]) for i in range(0, len(kv), 2)]
+        return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=1)
+
+
+class _PagedDecodeStep(nn.Module):
+    """What the server's step exports: one token per row at its own position, read and written through the rows'
+    block tables in a paged pool given as tensors (llama/nn/kv_cache.py's PagedKVCache)."""
+
+    def __init__(self, model: Transformer, block_size: int):
+        super().__init__()
+        self.model = model
+        self.block_size = block_size
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor,
+                pool: List[torch.Tensor]) -> torch.Tensor:
+        cache = PagedKVCache.wrap(pool[0::2], pool[1::2], self.block_size)
+        return self.model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
+
+
+def compiled_dir() -> Path:
+    """Where packages live: $LLAMA_COMPILED_DIR if set (the tests keep theirs apart so), else $LLAMA_HOME/compiled."""
+    return Path(os.environ[DIR_ENV]).expanduser() if os.environ.get(DIR_ENV) else home_dir() / "compiled"
+
+
+def _sources_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(_SOURCES.rglob("*")):
+        if path.suffix in (".py", ".cpp", ".h", ".inc") and "__pycache__" not in path.parts:
+            h.update(str(path.relative_to(_SOURCES)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def describe_key(model: Transformer, batch_size: object, kind: str = "decode",
+                 extra: Optional[Dict[str, object]] = None) -> Dict[str, object]:
+    """What a package of `kind` for `model` at `batch_size` (a size, or a range of sizes) depends on, as the
+    fields its metadata records; `extra`: what else the step's code holds as a constant (a block size)."""
+    from llama.kernels.build import cpu_key
+
+    params = {k: v for k, v in asdict(model.params).items() if k not in ("max_seq_len", "max_batch_size")}
+    tensors = hashlib.sha256()
+    for name, module in model.named_modules():
+        tensors.update(f"{name}:{type(module).__module__}.{type(module).__qualname__}\n".encode())
+        for tname, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            tensors.update(f"  {tname}:{tuple(t.shape)}:{t.dtype}\n".encode())
+    return {
+        "format": FORMAT,
+        "torch": torch.__version__,
+        "device": str(model.device.type),
+        "cpu": cpu_key(),  # the vector instructions Inductor chooses from
+        "threads": torch.get_num_threads(),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "kind": kind,
+        **(extra or {}),
+        "batch_size": batch_size,
+        "params": params,
+        "modules": tensors.hexdigest()[:16],
+        "sources": _sources_digest(),
+    }
+
+
+def _key(fields: Dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _torch_version() -> tuple:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+# Packages were built, loaded and run on torch 2.13 and 2.14. On torch 2.11 (checked on a GPU machine's CPU) loading
+# one crashes the process with a segmentation fault inside torch's loader, its own Python wrapper's too, so older
+# torches neither build nor load them: the commands' default runs eagerly there, --compile uses torch.compile.
+SUPPORTED = _torch_version() >= (2, 13)
+UNSUPPORTED_NOTE = (f"the stored compiled step needs torch 2.13 or newer, and this is {torch.__version__}; the decode "
+                    "step runs eagerly, about 3 times slower (compile=False hides this note)")
+
+
+def _package_loader(package: Path):
+    """The package's loader from torch's C++ runtime, without importing Inductor (a second of every start-up)."""
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    except TypeError:  # another torch, another constructor: its Python wrapper knows it
+        from torch._inductor.package import load_package
+
+        return load_package(str(package)).loader
+
+
+class Damaged(Exception):
+    """A stored package that must not be run: its files are missing, edited or from other sources."""
+
+
+class Unsupported(Exception):
+    """The model holds tensors the package could not take from it at load (plain tensor attributes rather than
+    parameters or buffers, as torch's bf16 int8/int4 kernels' layers keep): it cannot be compiled ahead of time."""
+
+
+def _shadow(module: nn.Module, memo: Optional[Dict[int, torch.Tensor]] = None) -> nn.Module:
+    """A copy of `module` for torch.export to trace: the same classes, names, shapes, strides and dtypes, its tensors
+    new and never written (memory never touched costs nothing). Export swaps a module's tensors for its own while it
+    traces, which the model itself, computing eager steps on another thread meanwhile, must not see."""
+    memo = {} if memo is None else memo
+
+    def twin(t):
+        if t is None:
+            return None
+        if id(t) not in memo:  # tied tensors stay tied
+            new = torch.empty_like(t)
+            memo[id(t)] = nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
+        return memo[id(t)]
+
+    clone = copy.copy(module)
+    clone._parameters = {name: twin(t) for name, t in module._parameters.items()}
+    clone._buffers = {name: twin(t) for name, t in module._buffers.items()}
+    clone._modules = {name: None if m is None else _shadow(m, memo) for name, m in module._modules.items()}
+    return clone
+
+
+class _StoredSteps:
+    """Packages of one exported step of `model`, one per size (a batch size, or a range of them), loaded from
+    disk or built and stored at first need. `notes` gathers what the user should hear (a rebuilt package).
+
+    `runner(size)` waits for a package to be built; `ready(size)` never does: it loads a stored one, or has it built
+    on a background thread while the caller runs the eager step, which gives the same results (tested)."""
+
+    kind = ""  # of the step, in the key
+    key_extra: Dict[str, object] = {}  # more of the key: what the exported code holds as constants
+
+    def __init__(self, model: Transformer, module: nn.Module, progress: Optional[Progress] = None):
+        self.model = model
+        self.progress = or_silent(progress)
+        self.notes: List[str] = []
+        self.built: Dict[object, float] = {}  # seconds spent building each size's package in this process
+        self.directories: Dict[object, Path] = {}  # where each size's package is stored
+        self._runners: Dict[object, Callable] = {}
+        self._module = module
+        self._asked: set = set()  # sizes `ready` has been asked for
+        self._queue: "queue.Queue" = queue.Queue()  # sizes waiting for the background thread
+        self._worker: Optional[threading.Thread] = None
+        self.failed: Dict[object, str] = {}  # sizes the background thread could not build, and why
+        self._errors: Dict[object, Exception] = {}
+
+    @property
+    def build_seconds(self) -> float:
+        """Seconds spent building packages in this process (0 when every one was loaded)."""
+        return sum(self.built.values())
+
+    def runner(self, size) -> Callable:
+        """The loaded package for `size`: stored, or built and stored now (or, asked of `ready` before, by the
+        background thread: waited for, since two exports at once would trip over each other in torch)."""
+        if size not in self._runners and size in self._asked:
+            if self.building:
+                what = f"{self._example(size)[2]} (once per model shape; stored in {compiled_dir()})"
+                with step(self.progress, what):
+                    self.wait()
+            if size in self._errors:
+                raise self._errors[size]
+        if size not in self._runners:
+            self._runners[size] = self._load_or_build(size)
+        return self._runners[size]
+
+    def ready(self, size) -> Optional[Callable]:
+        """The loaded package for `size` if it can be run now, else None. At the first call for a size a stored
+        package is loaded (milliseconds); one that is not stored is built on a background thread, a size at a
+        time, and this returns it from the first call after it is done.
+
+        Raises:
+            Unsupported: a stored verdict says that this model cannot be compiled ahead of time.
+        """
+        runner = self._runners.get(size)
+        if runner is not None or size in self._asked:
+            return runner
+        self._asked.add(size)
+        runner = self._stored(size)
+        if runner is not None:
+            self._runners[size] = runner
+            return runner
+        self._queue.put(size)
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._build_queued, name="llama-compile", daemon=True)
+            self._worker.start()
+        return None
+
+    @property
+    def building(self) -> bool:
+        """Whether the background thread has packages still to build."""
+        return self._worker is not None and self._worker.is_alive() and self._queue.unfinished_tasks > 0
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the background thread has built what `ready` asked for; False if `timeout` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.building:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._worker.join(0.1)
+        return True
+
+    def _build_queued(self) -> None:
+        while True:
+            size = self._queue.get()
+            try:
+                # Silent: the eager steps meanwhile print their own output; `wait` is where a caller can say so.
+                self._runners[size] = self._build_and_load(size, or_silent(None))
+            except Exception as e:  # Unsupported, or Inductor's failures (a bad toolchain): the eager step stays
+                self.failed[size] = first_line(e)
+                self._errors[size] = e
+            finally:
+                self._queue.task_done()
+
+    def _example(self, size):
+        """(example inputs, dynamic_shapes, what the progress line says) to export the step for `size`."""
+        raise NotImplementedError
+
+    def _place(self, size):
+        fields = describe_key(self.model, list(size) if isinstance(size, tuple) else size, self.kind, self.key_extra)
+        directory = self.directories[size] = compiled_dir() / _key(fields)
+        return fields, directory
+
+    def stored(self, size) -> bool:
+        """Whether a package for `size` is loaded or stored (not necessarily undamaged)."""
+        return size in self._runners or self._place(size)[1].exists()
+
+    def _stored(self, size) -> Optional[Callable]:
+        """The stored package for `size`, loaded; None where there is none (a damaged one is removed, with a note)."""
+        fields, directory = self._place(size)
+        if directory.exists():
+            try:
+                return self._load(directory, fields)
+            except Damaged as e:
+                self.notes.append(f"the stored compiled step in {directory} was not used ({e}); it was built again")
+                shutil.rmtree(directory, ignore_errors=True)
+        return None
+
+    def _build_and_load(self, size, progress: Optional[Progress] = None) -> Callable:
+        fields, directory = self._place(size)
+        start = time.perf_counter()
+        self._build(directory, fields, *self._example(size), progress=progress)
+        self.built[size] = time.perf_counter() - start
+        return self._load(directory, fields)
+
+    def _load_or_build(self, size) -> Callable:
+        runner = self._stored(size)
+        return runner if runner is not None else self._build_and_load(size)
+
+    def _load(self, directory: Path, fields: Dict[str, object]) -> Callable:
+        try:
+            meta = read_json_object(directory / META)
+        except Exception as e:  # LlamaError for bad JSON, OSError for an unreadable file
+            raise Damaged(f"its {META} cannot be read") from e
+        if meta.get("key") != fields:
+            raise Damaged(f"its {META} describes another model, torch or CPU")
+        if "unsupported" in meta:  # an earlier run found that this model cannot be compiled ahead of time
+            raise Unsupported(str(meta["unsupported"]))
+        package = directory / PACKAGE
+        if not package.is_file() or sha256_file(package) != meta.get("sha256"):
+            raise Damaged(f"{PACKAGE} is missing or does not match its digest")
+        try:
+            loader = _package_loader(package)
+            tensors = dict(self._module.named_parameters())
+            tensors.update(self._module.named_buffers())
+            names = loader.get_constant_fqns()
+            if set(names) - set(tensors):
+                raise Damaged(f"it needs tensors the model does not have ({sorted(set(names) - set(tensors))[:3]})")
+            # The model's own tensors, not copies: the package reads the weights where they already are.
+            loader.load_constants({n: tensors[n] for n in names}, False, True, True)  # active, all, user-managed
+        except Damaged:
+            raise
+        except Exception as e:  # a damaged zip, a library that will not load: many exception types
+            raise Damaged(f"it failed to load: {first_line(e)}") from e
+        # Inputs flat, in the exported order; the Python wrapper would parse its call spec at every step.
+        return lambda tokens, input_pos, kv: loader.run([tokens, input_pos, *kv])[0]
+
+    def _build(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str,
+               progress: Optional[Progress] = None) -> None:
+        """Export and compile the step into a new directory beside `directory`, then rename it into place."""
+        import torch._inductor  # only to build: loading a package needs none of it
+
+        quiet_inductor()
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        what = f"{what} (once per model shape; stored in {directory.parent})"
+        staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        unsupported = None
+        try:
+            # torch's own deprecation warnings from inside export and Inductor are not the user's business.
+            with warnings.catch_warnings(), torch.no_grad():
+                warnings.simplefilter("ignore", FutureWarning)
+                exported = torch.export.export(_shadow(self._module), args, strict=False, dynamic_shapes=dynamic_shapes)
+                if exported.constants:
+                    unsupported = (f"the step holds {len(exported.constants)} tensors that are not the model's "
+                                   "parameters or buffers")
+                    meta = {"key": fields, "unsupported": unsupported}  # remembered: no later run exports again
+                else:
+                    with step(progress or self.progress, what), \
+                            torch._inductor.config.patch({"aot_inductor.package_constants_in_so": False,
+                                                          "aot_inductor.custom_ops_to_c_shims": kernels.c_shims()}):
+                        torch._inductor.aoti_compile_and_package(exported, package_path=str(staging / PACKAGE))
+                    meta = {"key": fields, "sha256": sha256_file(staging / PACKAGE),
+                            "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+            write_atomically(staging / META, json.dumps(meta, indent=1))
+            try:
+                staging.rename(directory)
+            except OSError:  # another process stored the same package first: theirs is as good
+                if not directory.exists():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        if unsupported:
+            raise Unsupported(unsupported)
+
+
+class AheadOfTimeStep(_StoredSteps):
+    """The one-token cached step of `model` through stored packages, one per batch size, built at first need.
+
+    Called as `compile.Step` is (tokens, start_pos, cache, num_logits) for one token per row with a `KVCache`;
+    `accepts` says whether a call is of that kind.
+    """
+
+    kind = "decode"
+
+    def __init__(self, model: Transformer, progress: Optional[Progress] = None):
+        super().__init__(model, _DecodeStep(model), progress)
+
+    @staticmethod
+    def accepts(tokens: torch.Tensor, cache, num_logits: Optional[int]) -> bool:
+        return (cache is not None and tokens.shape[1] == 1 and num_logits in (None, 1)
+                and all(type(c) is KVCache and c.cache_k.is_contiguous() and c.cache_v.is_contiguous() for c in cache)
+                and cache[0].max_seq_len >= _MIN_CACHE)
+
+    def __call__(self, tokens: torch.Tensor, start_pos: int, cache: List[KVCache], num_logits: Optional[int] = None,
+                 runner: Optional[Callable] = None):
+        runner = runner or self.runner(tokens.shape[0])
+        input_pos = torch.full((tokens.shape[0], 1), start_pos, dtype=torch.long, device=tokens.device)
+        kv = [t for c in cache for t in (c.cache_k[: tokens.shape[0]], c.cache_v[: tokens.shape[0]])]
+        # The package reads its inputs with the strides it was compiled for, unchecked: contiguous ones. generate()
+        # feeds a column of its token buffer, whose rows lie a whole buffer row apart.
+        return runner(tokens.contiguous(), input_pos, kv)
+
+    def _example(self, batch_size: int):
+        cache = self.model.new_kv_cache(batch_size, 8)
+        kv = [t for c in cache for t in (c.cache_k, c.cache_v)]
+        tokens = torch.zeros((batch_size, 1), dtype=torch.long, device=self.model.device)
+        input_pos = torch.full((batch_size, 1), 3, dtype=torch.long, device=self.model.device)
+        length = torch.export.Dim("cache_len", min=_MIN_CACHE, max=_MAX_CACHE)
+        return ((tokens, input_pos, kv), (None, None, [{2: length}] * len(kv)),
+                f"compiling the decode step for batch size {batch_size}")
+
+
+# The server's batch sizes, in the ranges one package each serves: the linear layers take one path per range
+# (llama/quant/linears.py: Inductor's reduction for one row, llama_kv.f32_linear up to ROWS_MAX_ROWS, GEMM above).
+_PAGED_RANGES = ((1, 1), (2, 16), (17, 1 << 16))
+
+
+class PagedStep(_StoredSteps):
+    """The server's decode step (one token per row, each at its own position, through block tables into a paged
+    pool, llama/nn/kv_cache.py) through stored packages, one per range of batch sizes, each serving any block-table
+    width and pool size. Called with (tokens, input_pos, tables); `pool` is the PagedKVCache it reads and writes.
+    """
+
+    kind = "paged"
+
+    def __init__(self, model: Transformer, pool: PagedKVCache, progress: Optional[Progress] = None):
+        super().__init__(model, _PagedDecodeStep(model, pool.block_size), progress)
+        self.key_extra = {"block_size": pool.block_size}  # a constant in the generated code's index arithmetic
+        self.pool = pool
+        self._tensors = [t for k, v in zip(pool.keys, pool.values) for t in (k, v)]
+
+    @staticmethod
+    def size_range(batch_size: int):
+        return next(r for r in _PAGED_RANGES if r[0] <= batch_size <= r[1])
+
+    def __call__(self, tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor,
+                 runner: Optional[Callable] = None) -> torch.Tensor:
+        runner = runner or self.runner(self.size_range(tokens.shape[0]))
+        return runner(tokens.contiguous(), input_pos.contiguous(), [tables.contiguous(), *self._tensors])
+
+    def _example(self, size):
+        low, high = size
+        rows = max(low, min(high, 3))  # not 1 where the range is wider: export would take 1 for a constant
+        zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.model.device)  # noqa: E731
+        tokens, input_pos, tables = zeros(rows, 1), zeros(rows, 1), zeros(rows, 3)
+        batch = None if low == high else torch.export.Dim("batch", min=low, max=high)
+        width = torch.export.Dim("blocks", min=2, max=1 << 16)
+        positions = torch.export.Dim("pool", min=2, max=1 << 30)
+        row = {0: batch} if batch is not None else None
+        return ((tokens, input_pos, tables, self._tensors),
+                (row, row, {0: batch, 1: width} if batch is not None else {1: width},
+                 [{1: positions}] * len(self._tensors)),
+                f"compiling the server's decode step for batch sizes {low}-{high}" if low != high
+                else "compiling the server's decode step for one row")

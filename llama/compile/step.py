@@ -1,0 +1,214 @@
+"""The compiled generation step (`compile=True`, `--compile`): compilation applied to a built model from outside.
+
+Only the steps after the prompt are compiled (one token with the KV cache, the growing prefix without it);
+the prompt runs eagerly, so a new prompt length never costs a compilation. On the CPU the one-token step
+with the cache, the one every cached generation spends its time in, comes compiled ahead of time from a
+package stored under $LLAMA_HOME (llama/compile/aot.py): built once per model shape and batch size, then loaded in
+milliseconds by every later process. The rest (the uncached step, and every step on a GPU) goes through
+torch.compile, with positions, the KV cache's length and (without the cache) the prefix length compiled as
+symbolic sizes, so one compilation serves every step of every later call with the same batch size.
+"""
+
+import atexit
+import os
+import re
+import sys
+from typing import List, Optional, Union
+
+import torch
+
+from llama import kernels
+from llama.compile import aot
+from llama.compile.aot import AheadOfTimeStep, Unsupported, quiet_inductor
+from llama.kernels import build
+from llama.errors import LlamaError, first_line
+from llama.nn.kv_cache import KVCache
+from llama.quant.linears import choose_layer_classes
+from llama.model import Transformer
+from llama.runtime.progress import Progress, or_silent, step as progress_step
+
+# Sources (the compiled forward's arguments, as Dynamo names them) whose values change from step to step.
+# Left static, each new value would trigger a compilation, each of them slow (docs/benchmarks.md).
+_DYNAMIC_SOURCES = ",".join([
+    re.escape("L['start_pos']"),
+    re.escape("L['tokens']") + ":1",  # the prefix fed without a cache (1 with it, which stays static)
+    re.escape("L['cache']") + r".*_buffers\['cache_[kv]'\]:2",  # the cache's length, new for each call
+])
+
+
+# Compilations Dynamo keeps for the model's forward, across every compiled model in the process. Each kind of
+# step (with or without the cache, a batch size, float or quantized layers) is one; the default of 8 is
+# reached by a process that compiles a float, an int8 and an int4 model, as a benchmark comparing them does,
+# or that builds a compiled model and then serves it (llama/server/runner.py). With fullgraph=True, passing the
+# limit is an error, not a slower eager step.
+RECOMPILE_LIMIT = 64
+# What `compile` means where it is not given (Llama.build, every command): "0" eager, "1" compile=True, unset or
+# "auto" the stored step wherever it can be had.
+COMPILE_ENV = "LLAMA_COMPILE"
+
+
+def default_compile() -> Union[bool, str]:
+    """compile= when not given: "auto" unless $LLAMA_COMPILE says 0 (False) or 1 (True)."""
+    value = os.environ.get(COMPILE_ENV, "auto")
+    if value not in ("0", "1", "auto"):
+        raise LlamaError(f"{COMPILE_ENV} must be 0, 1 or auto, not {value!r}")
+    return "auto" if value == "auto" else value == "1"
+
+
+class CompileFailed(LlamaError):
+    """The step could not be compiled; `reason` says why in a few words (the message adds what to do)."""
+
+    def __init__(self, reason: str, hint: str = ""):
+        super().__init__(f"compile=True failed: the decode step could not be compiled ({reason}); "
+                         f"run without compile=True{hint}")
+        self.reason = reason
+
+
+class CompiledStep:
+    """`model.forward` for the steps after the prompt, compiled; it shares the model's weights.
+
+    `ahead_of_time` runs the one-token cached steps on the CPU (None on a GPU); torch.compile runs the rest.
+    """
+
+    def __init__(self, model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False):
+        if model.device.type == "cpu" and model.dtype == torch.float32:
+            # Float32 products of a few rows on llama_kv.f32_linear (RowsLinear); without the kernels (no
+            # compiler, not x86) Inductor's reduction (ReductionLinear).
+            kernels.load(progress)
+        choose_layer_classes(model, compiled=True)
+        self.model = model
+        self._notes: List[str] = []
+        self.eager_otherwise = eager_otherwise  # steps the package does not take run eagerly, not torch.compile'd
+        self._compiled = None  # torch.compile's, made at its first use: making it imports Inductor (seconds)
+        # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
+        # where the step is shortest, for a longer first compilation (scripts/compare_compiled.py; figures in
+        # docs/benchmarks.md). LLAMA_COMPILE_CPP_WRAPPER=0 turns it off, to measure the difference or to work
+        # around a torch bug.
+        self._cpp_wrapper = (model.device.type == "cpu"
+                             and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
+        # LLAMA_COMPILE_AOT=0 compiles with torch.compile in every process instead, as before the packages: to
+        # measure the difference (scripts/compare_transformers.py --torch_compile) or to work around a torch bug.
+        ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0" and aot.SUPPORTED
+        self.ahead_of_time = AheadOfTimeStep(model, progress) if ahead else None
+        if model.device.type == "cpu" and eager_otherwise and not aot.SUPPORTED:
+            self._notes.append(aot.UNSUPPORTED_NOTE)
+
+    def __call__(self, tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]],
+                 num_logits: Optional[int] = None) -> torch.Tensor:
+        if self.ahead_of_time is not None and self.ahead_of_time.accepts(tokens, cache, num_logits):
+            try:
+                if not self.eager_otherwise:  # compile=True: wait for the package
+                    return self.ahead_of_time(tokens, start_pos, cache, num_logits)
+                # The default: the stored step once it is ready, the eager one (the same bits) until then.
+                runner = self.ahead_of_time.ready(tokens.shape[0])
+                if runner is not None:
+                    return self.ahead_of_time(tokens, start_pos, cache, num_logits, runner=runner)
+            except Unsupported:
+                self.ahead_of_time = None  # every step goes the way below from here on
+        if self.eager_otherwise:
+            return self.model(tokens, start_pos, cache, num_logits=num_logits)
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model, fullgraph=True)
+            quiet_inductor()
+        with torch.compiler.config.patch(dynamic_sources=_DYNAMIC_SOURCES), \
+                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                torch._inductor.config.patch(cpp_wrapper=self._cpp_wrapper):
+            return self._compiled(tokens, start_pos, cache, num_logits=num_logits)
+
+    def describe_origin(self) -> str:
+        """How the step came to be, for --stats: "ahead of time, loaded from disk" or "built and stored",
+        "ahead of time, being built" (the eager step runs meanwhile), "torch.compile", or "eager" where nothing
+        could be compiled."""
+        if self.ahead_of_time is None:
+            return "eager" if self.eager_otherwise else "torch.compile"
+        if self.ahead_of_time.building:
+            return "ahead of time, being built in the background; the eager step runs until it is ready"
+        return "ahead of time, " + ("built and stored" if self.ahead_of_time.build_seconds else "loaded from disk")
+
+    def finish(self, progress: Optional[Progress] = None) -> None:
+        """Wait for the packages being built in the background to be stored, so that later processes load them;
+        told to `progress` as the build is. KeyboardInterrupt leaves them unbuilt: a later process builds them (a
+        package is written under a temporary name, then renamed, so none is ever read half-written)."""
+        ahead = self.ahead_of_time
+        if ahead is None or not ahead.building:
+            return
+        what = (f"storing the compiled decode step for later runs (once per model shape, in {aot.compiled_dir()}; "
+                "Ctrl-C skips it)")
+        if progress is None:
+            print(f"llama: {what}", file=sys.stderr, flush=True)
+        try:
+            with progress_step(or_silent(progress), what):
+                ahead.wait()
+        except KeyboardInterrupt:
+            return
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the packages being built in the background (none: at once); False if `timeout` seconds passed."""
+        return self.ahead_of_time is None or self.ahead_of_time.wait(timeout)
+
+    @property
+    def notes(self) -> List[str]:
+        return self._notes + (self.ahead_of_time.notes if self.ahead_of_time is not None else [])
+
+
+# Steps whose packages are being built in the background, with the progress to tell: finished before the process
+# ends (`finish_background_builds`), so that later processes load them.
+_unfinished: List[tuple] = []
+
+
+@atexit.register
+def finish_background_builds() -> None:
+    """Wait for every package still being built in the background (each says so on its progress, or on stderr).
+    Runs at exit; a command that ends with os._exit calls it first."""
+    while _unfinished:
+        step, progress = _unfinished.pop()
+        step.finish(progress)
+
+
+def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False,
+                 batch_size: int = 1) -> CompiledStep:
+    """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
+
+    The model's linear layers become the compiled step's classes in place (llama/quant/linears.py: the same
+    weights, the same state_dict, exact eager behaviour). Float weights should be stored as they load
+    (row-major): the reduction reads each row contiguously. The one-token step at `batch_size` is ready when
+    this returns: on the CPU loaded from its stored package (built and stored first if there is none, reported
+    to `progress`), on a GPU compiled (at batch 1). Other batch sizes, and the uncached step, are made at their
+    first call.
+
+    With `eager_otherwise` (compile="auto") nothing goes to torch.compile: the steps the package does not
+    take, and all of them where there is none (a GPU, layers it cannot hold), run eagerly.
+
+    Raises:
+        CompileFailed: the step could not be compiled (on the CPU it needs a C++ compiler).
+    """
+    step = CompiledStep(model, progress, eager_otherwise)
+    try:
+        if step.ahead_of_time is not None:
+            try:
+                if not eager_otherwise:
+                    step.ahead_of_time.runner(batch_size)  # loaded from its package, or built and stored first
+                    return step
+                reason = build.missing() if not step.ahead_of_time.stored(batch_size) else None
+                if reason is not None:  # said now, not when a build on the background thread fails
+                    raise CompileFailed(f"the stored step is built with a C++ compiler: {reason}")
+                if step.ahead_of_time.ready(batch_size) is None:  # built in the background; loaded now otherwise
+                    _unfinished.append((step, progress))
+                return step
+            except Unsupported:
+                step.ahead_of_time = None
+        if eager_otherwise:
+            return step
+        # Under inference mode, as generate() runs: tensors made outside it would not match the guards.
+        with torch.inference_mode():
+            tokens = torch.zeros((1, 3), dtype=torch.long, device=model.device)
+            # Sizes and positions of 0 or 1 would be compiled as constants, and a step that fills the cache
+            # exactly as a special case; generate() never fills its cache (the last token is not fed).
+            cache = model.new_kv_cache(1, 4)
+            model(tokens[:, :2], 0, cache)
+            step(tokens[:, 2:], 2, cache, num_logits=1)
+    except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
+        reason = first_line(e)
+        hint = " (or try LLAMA_COMPILE_CPP_WRAPPER=0)" if step._cpp_wrapper and step.ahead_of_time is None else ""
+        raise CompileFailed(reason, hint) from e
+    return step

@@ -1,0 +1,1 @@
+"""Measuring a model: decoding speed and memory, and perplexity over a text."""

@@ -1,0 +1,50 @@
+"""Attention and rotary embedding computed row by row in one fixed order, for models on the integer kernels.
+
+Rounding activations to int8 (llama/quant/dot_linears.py) amplifies tiny differences: the 1e-7 by which torch's
+fused attention gives a position's output when it is computed alone (a cached step) or among all positions
+(an uncached pass) becomes, now and then, a step of a whole int8 unit in some activation, and those steps
+multiply through the layers until cached and uncached greedy text part. `RowExactAttention` calls
+`torch.ops.llama_kv.attention`, whose rows do not depend on the rows beside them or on the keys their mask
+hides; with the integer kernels, whose rows are independent too, cached and uncached runs then give the
+same logits bit for bit. `RowExactRotary` does the same for the rotary embedding: torch's complex multiply
+rounds some elements differently by where they fall in its vectors (fused in the SIMD body, not in the tail),
+so a position rotated alone and among others could differ in the last bit (it did under torchrun, one head
+of 8 dimensions a rank). `RowExactRMSNorm` calls `torch.ops.llama_kv.rms_norm`: torch's rms_norm and the
+reduction Inductor compiles for it sum the squares in different orders, so the compiled decode step and the
+eager uncached pass normalised some rows a bit apart. `llama.quant.linears.choose_layer_classes` swaps all three in
+with the integer kernels.
+"""
+
+from typing import Optional
+
+import torch
+
+from llama.model import RMSNorm, Rotary, ScaledDotProductAttention, rotation_pairs
+
+
+class RowExactAttention(ScaledDotProductAttention):
+    """The same attention as its base class, each query row computed alone in one fixed order (CPU)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.ops.llama_kv.attention(q, k, v, mask)
+
+
+class RowExactRotary(Rotary):
+    """The same rotation as its base class, the complex product written out with one rounding per operation,
+    so every element is rounded alike wherever it falls. About 35 us a call slower than the complex product on
+    the default model's shapes (eager, one thread), which is why the float paths keep that one."""
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (bsz, seqlen, n_heads, head_dim // 2)
+        freqs = rotation_pairs(freqs_cis)
+        cos, sin = freqs[..., 0], freqs[..., 1]
+        rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
+        return rotated.flatten(-2).type_as(x)
+
+
+class RowExactRMSNorm(RMSNorm):
+    """The same normalisation as its base class, each row's squares summed in one fixed order by
+    `torch.ops.llama_kv.rms_norm`, eagerly and in a compiled step alike (CPU)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llama_kv.rms_norm(x, self.weight, self.eps)

@@ -1,0 +1,84 @@
+"""Projections that read the same input made one product, as a transform applied to a loaded model.
+
+Attention's wq, wk and wv, and the feed-forward's w1 and w3 (gate and up), each multiply the same activations.
+On the integer kernels (llama/quant/dot_linears.py) a product costs a call, a rounding of the activations and a
+wake-up of the threads whatever its size, and a small model's are small: the default model makes 210 a token.
+`fuse` holds each group as one layer of their rows one after another (`wqkv`, `w13`) and swaps the
+module's class for one whose `project` makes one product and splits it: 120 a token. The kernels compute every
+output row apart from the others, so each row gets the same bits as before (tested). `state_dict()` still gives
+each projection under its own name, in the on-disk layout; the model's `forward` (llama/model.py) is unchanged.
+"""
+
+from typing import Callable, Tuple, Type
+
+import torch
+from torch import nn
+
+from llama.quant.dot_linears import _DotLinear
+from llama.model import Attention, FeedForward
+
+
+class _Fused:
+    """A module whose layers `names` are one layer, `joined`, of their rows in that order; `sizes` their rows."""
+
+    names: Tuple[str, ...] = ()
+    joined = ""
+    sizes: Tuple[int, ...] = ()
+
+    def _products(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return getattr(self, self.joined)(x).split(self.sizes, dim=-1)
+
+
+class FusedAttention(_Fused, Attention):
+    names, joined = ("wq", "wk", "wv"), "wqkv"
+
+    def project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._products(x)
+
+
+class FusedFeedForward(_Fused, FeedForward):
+    names, joined = ("w1", "w3"), "w13"
+
+    def project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self._products(x)
+
+
+_FUSED = {Attention: FusedAttention, FeedForward: FusedFeedForward}
+
+
+def _separate_state(module: _Fused, state, prefix: str, local_metadata) -> None:
+    """state_dict() as if never fused: each projection's on-disk tensors under its own name."""
+    joined = getattr(module, module.joined)
+    for key in [k for k in state if k.startswith(f"{prefix}{module.joined}.")]:
+        del state[key]
+    start = 0
+    for name, size in zip(module.names, module.sizes):
+        for suffix, tensor in joined.format_tensors(start, start + size).items():
+            state[f"{prefix}{name}.{suffix}"] = tensor
+        start += size
+
+
+def fuse(parent: nn.Module, choose: Callable[[nn.Module], Type[nn.Module]], dtype: torch.dtype) -> bool:
+    """Make `parent`'s projections one layer if it is an Attention or a FeedForward whose projections `choose` puts
+    on one integer-kernel class and whose rows split into that class's groups (every projection's but the last),
+    with no forward hooks on them (model parallelism's). Returns whether it did."""
+    fused_class = _FUSED.get(type(parent))
+    if fused_class is None:
+        return False
+    layers = [getattr(parent, name, None) for name in fused_class.names]
+    if any(layer is None or layer._forward_hooks or not hasattr(layer, "format_values") for layer in layers):
+        return False
+    classes = {choose(layer) for layer in layers}
+    if len(classes) != 1:
+        return False
+    (cls,) = classes
+    if not (isinstance(cls, type) and issubclass(cls, _DotLinear) and cls.can_join(layers)):
+        return False
+    joined = cls.from_layers(layers, dtype)
+    for name in fused_class.names:
+        delattr(parent, name)
+    parent.__class__ = fused_class
+    setattr(parent, fused_class.joined, joined)
+    parent.sizes = tuple(layer.out_features for layer in layers)
+    parent.register_state_dict_post_hook(_separate_state)
+    return True

@@ -1,0 +1,444 @@
+"""The linear-layer classes a built model's projections can become: one class per weight layout.
+
+Each class holds its weight in one layout and multiplies it one way; which class each layer becomes is
+decided in one place, `layer_class` (applied by `choose_layer_classes`), from the device, the activations'
+dtype, whether the step will be compiled, whether the integer kernels are wanted, and what this torch and
+this CPU offer. `model.py` knows none of this; `quantize.py` swaps float layers for `Int8Linear` /
+`Int4Linear` (the on-disk layout of llama/quant/format.py), and loading then calls `choose_layer_classes`
+once. Every quantized class's `state_dict()` is the on-disk layout.
+
+    class               layout                                  multiplies by
+    nn.Linear           float (out, in)                         F.linear
+    ReductionLinear     float, row-major                        a multiply-and-sum Inductor turns into one
+                                                                loop, at up to REDUCTION_MAX_ROWS rows
+    RowsLinear          float32, row-major                      llama_kv.f32_linear at 2 to ROWS_MAX_ROWS
+                                                                rows (each weight row read once for all),
+                                                                ReductionLinear's reduction at one
+    Int8Linear          int8 + float16 scales                   widening the weight, then F.linear
+    Int8KernelLinear    the same, + the kernel's scales         aten._weight_int8pack_mm (per-channel, CPU)
+    Int8ReductionLinear the same as Int8Linear                  the compiled reduction, dequantizing in registers
+    Int4Linear          two values a byte, column 2j low        widening the weight, then F.linear
+    Int4KernelLinear    aten's own int4 packing, bf16 scales    aten._weight_int4pack_mm_for_cpu (bf16, CPU)
+    Int4HalvesLinear    a group's first half low, second high   the compiled reduction (GGUF's Q4 order)
+    Int8DotLinear       int8 blocks of 32, 8 rows interleaved   llama_kv.q8_0_linear: activations rounded to
+                                                                int8 blocks, integer dot products (CPU)
+    Int4DotLinear       int4 blocks of 32 + scales and minimums, llama_kv.q4_1_linear, the same with int4
+                        16 rows interleaved in one stream
+    Int4ZeroPointDotLinear the same without the minimums        llama_kv.q4_0_linear (a GGUF's Q4_0: each
+                        (each one -8 times its scale)           minimum -8 times its scale)
+    Int8SixteensDotLinear int8 blocks of 32, a scale for each   llama_kv.q8_16_linear (a GGUF's Q6_K: groups
+                        half, 8 rows interleaved                of 16), each half's sum scaled apart
+
+The Dot classes (llama/quant/dot_linears.py) are what a quantized CPU model runs by default: they round the
+activations too, so they multiply by the same weights but not the same activations, within a bound the tests
+state (tests/kernels/test_int_kernels.py). Every other class multiplies by the same values: widening is the exact float model of the dequantized weights,
+and each faster path is tested against it. torch's kernels are chosen for bf16 activations only: fed
+float32 they are scalar loops (the int8 one is still worth it at a few rows), and rounding activations to
+bf16 for them would let cached and uncached float32 runs differ. What each path measured:
+docs/benchmarks.md, "Figures behind the code".
+"""
+
+import math
+from typing import Dict, List, Optional, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama.kernels import loaded as kernels_loaded  # loaded by the compiled step where they can be (llama/compile/step.py)
+from llama.quant.dot_linears import integer_class
+from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, pack_int4, unpack_int4
+from llama.quant import fuse
+from llama.quant.layer import QuantizedLinear
+from llama.nn.kv_cache import being_traced
+from llama.runtime.pages import return_free_memory, shared_huge_pages
+
+# Up to this many rows (batch x tokens fed), a compiled CPU step computes a linear layer as a reduction,
+# and eager float32 per-channel int8 takes the int8 kernel's exact float32 loop; above it, a matrix product
+# (MKL, or a widened weight) is faster (docs/benchmarks.md).
+REDUCTION_MAX_ROWS = 4
+
+# The private kernels come and go between torch releases; without them their classes are never chosen.
+HAS_INT8_KERNEL = hasattr(torch.ops.aten, "_weight_int8pack_mm")
+HAS_INT4_KERNEL = all(hasattr(torch.ops.aten, k) for k in ("_weight_int4pack_mm_for_cpu",
+                                                           "_convert_weight_to_int4pack_for_cpu"))
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)
+INT4_ROW_BLOCK = 64  # the int4 kernel packs rows in blocks of this many
+
+# Re-pack this many values at a time, so that re-packing a big layer needs tens of MB of scratch.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _rows(x: torch.Tensor):
+    """The rows of x (all but its last dimension), as a product that stays symbolic under export (Size.numel()
+    would fix a dynamic batch size to the example's)."""
+    return math.prod(x.shape[:-1])
+
+
+def _compiling_few_rows(x: torch.Tensor) -> bool:
+    return being_traced(x) and x.device.type == "cpu" and _rows(x) <= REDUCTION_MAX_ROWS
+
+
+class ReductionLinear(nn.Linear):
+    """nn.Linear whose few-row products, when Inductor compiles them on the CPU, are a multiply and a sum.
+
+    Decoding multiplies one row per sequence by every weight matrix, so the work is reading the weights:
+    Inductor turns `(x * weight).sum(-1)` into one vectorized loop over the contiguous rows of `weight`,
+    which reads it faster than the matrix product it would otherwise call. Eagerly, or with more rows, it
+    is nn.Linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _compiling_few_rows(x):
+            out = (x.unsqueeze(-2) * self.weight).sum(-1)  # (..., 1, in) * (out, in), summed over in
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+# From 2 up to this many rows, a compiled float32 step on the CPU multiplies with llama_kv.f32_linear, which reads
+# each weight row once for all of them; from 16 rows on MKL's GEMM is as fast (docs/benchmarks.md).
+ROWS_MAX_ROWS = 16
+
+
+class RowsLinear(ReductionLinear):
+    """ReductionLinear whose products of 2-16 float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
+
+    Decoding a batch multiplies one row per sequence by every weight matrix: the kernel reads each weight row
+    once for all of them, where MKL reads the weights again for each tile of rows and Inductor's reduction
+    once per row (a batch of 4 decodes 1.35x faster, docs/benchmarks.md). One row stays on Inductor's
+    reduction, which fuses with the steps around it and measured faster inside the step. Weights row-major, as
+    the compiled step stores them.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 1 < _rows(x) <= ROWS_MAX_ROWS:
+            out = torch.ops.llama_kv.f32_linear(x, self.weight)
+            return out if self.bias is None else out + self.bias
+        return super().forward(x)
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights, w = weight * scale, one scale per group of columns (or per row); multiplied by widening."""
+
+    method = "int8"
+
+    def __init__(self, in_features: int, out_features: int, group_size: Optional[int] = None):
+        super().__init__(in_features, out_features, None if group_size in (None, in_features) else group_size)
+        self.register_buffer("scales", torch.empty(out_features, self.n_groups, dtype=SCALE_DTYPE, device="meta"))
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device="meta"))
+
+    @classmethod
+    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int8Linear":
+        new = cls(layer.in_features, layer.out_features, layer.group_size)
+        tensors = layer.format_tensors()
+        new.weight, new.scales = tensors["weight"], tensors["scales"]
+        return new
+
+    def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+        return self.weight[start:end], self.scales[start:end]
+
+    def format_tensors(self) -> Dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scales": self.scales}
+
+
+class Int8KernelLinear(Int8Linear):
+    """Per-channel int8 on the CPU through `aten._weight_int8pack_mm`.
+
+    In bf16 every product takes the kernel. In float32 the kernel is a plain loop, exact, and faster than
+    widening at a few rows (eager decoding); more rows widen the weight.
+    """
+
+    @classmethod
+    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int8KernelLinear":
+        new = super().from_layer(layer, dtype)
+        # The scales in the activations' dtype, held rather than computed per call: Inductor passes the
+        # kernel only tensors the model holds.
+        new.kernel_scales = new.scales.reshape(-1).to(dtype)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and _rows(x) > REDUCTION_MAX_ROWS:
+            return super().forward(x)
+        scales = self.kernel_scales if self.kernel_scales.dtype == x.dtype else self.scales.reshape(-1).to(x.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, scales)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.kernel_scales = self.scales.reshape(-1).to(self.kernel_scales.dtype)  # from the scales just loaded
+
+
+class Int8ReductionLinear(Int8Linear):
+    """int8 for a compiled CPU step: at a few rows, each weight dequantized in registers inside one loop."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _compiling_few_rows(x):
+            return super().forward(x)
+        group = self.in_features // self.n_groups
+        xg = x.reshape(*x.shape[:-1], 1, self.n_groups, group)  # (..., 1, n_groups, group)
+        wg = self.weight.reshape(self.out_features, self.n_groups, group).to(x.dtype)  # (out, n_groups, group)
+        dots = (xg * wg).sum(-1)  # (..., out, n_groups)
+        return (dots * self.scales.to(x.dtype)).sum(-1)
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights, two per byte (column 2j low, 2j + 1 high), w = q * scale + min per group; multiplied by
+    widening."""
+
+    method = "int4"
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_INT4_GROUP_SIZE):
+        super().__init__(in_features, out_features, group_size)
+        self.register_buffer("scales", torch.empty(out_features, self.n_groups, dtype=SCALE_DTYPE, device="meta"))
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device="meta"))
+        self.register_buffer("mins", torch.empty_like(self.scales))
+
+    @classmethod
+    def from_layer(cls, layer: "QuantizedLinear", dtype: torch.dtype) -> "Int4Linear":
+        new = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
+        tensors = layer.format_tensors()
+        new.weight, new.scales, new.mins = tensors["weight"], tensors["scales"], tensors["mins"]
+        return new
+
+    def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+        return unpack_int4(self.weight[start:end]), self.scales[start:end], self.mins[start:end]
+
+    def format_tensors(self) -> Dict[str, torch.Tensor]:
+        return {"weight": self.weight, "scales": self.scales, "mins": self.mins}
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # Written in place into one float tensor: eager float32 runs pay this on every call, and it takes
+        # half the time of widening through temporaries (docs/benchmarks.md).
+        w = torch.empty(self.out_features, self.n_groups, self.group_size, dtype=torch.float32, device=self.weight.device)
+        self._widen_into(w)
+        w.mul_(self.scales.unsqueeze(-1)).add_(self.mins.unsqueeze(-1))
+        return w.view(self.out_features, self.in_features).to(dtype)
+
+    def _widen_into(self, w: torch.Tensor) -> None:
+        """Write the values 0..15 into w, (out, n_groups, group)."""
+        pairs = w.view(self.out_features, self.n_groups, self.group_size // 2, 2)
+        packed = self.weight.view(self.out_features, self.n_groups, self.group_size // 2)
+        pairs[..., 0].copy_(packed & 0x0F)
+        pairs[..., 1].copy_(packed >> 4)
+
+    def _row_slices(self) -> List[Tuple[int, int]]:
+        """Row ranges of about _CHUNK_ELEMENTS values on the int4 kernel's row blocks: re-packing a slice at a
+        time keeps its scratch small."""
+        rows = INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * INT4_ROW_BLOCK))
+        return [(start, start + rows) for start in range(0, self.out_features, rows)]
+
+
+class Int4HalvesLinear(Int4Linear):
+    """int4 for a compiled CPU step, in GGUF's Q4 order: each group's first half of columns in the low nibbles
+    and its second half in the high ones, so the reduction reads whole vectors of columns."""
+
+    @classmethod
+    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int4HalvesLinear":
+        new = cls(layer.in_features, layer.out_features, layer.group_size)
+        half = layer.group_size // 2
+        pieces, scales, mins = [], [], []
+        for start, end in new._row_slices():
+            q, s, m = layer.format_values(start, end)
+            scales.append(s)
+            mins.append(m)
+            q = q.reshape(q.shape[0], new.n_groups, 2, half)  # (rows, n_groups, 2 halves, group / 2)
+            pieces.append((q[:, :, 0] | (q[:, :, 1] << 4)).reshape(q.shape[0], new.in_features // 2))
+        new.weight, new.scales, new.mins = (torch.cat(p) if len(p) > 1 else p[0] for p in (pieces, scales, mins))
+        return new
+
+    def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+        packed = self.weight[start:end]
+        halves = packed.reshape(packed.shape[0], self.n_groups, 1, self.group_size // 2)
+        values = torch.cat([halves & 0x0F, halves >> 4], dim=2).reshape(packed.shape[0], self.in_features)
+        return values, self.scales[start:end], self.mins[start:end]
+
+    def format_tensors(self) -> Dict[str, torch.Tensor]:
+        return {"weight": pack_int4(self.format_values()[0]), "scales": self.scales, "mins": self.mins}
+
+    def _widen_into(self, w: torch.Tensor) -> None:
+        half = self.group_size // 2
+        packed = self.weight.view(self.out_features, self.n_groups, half)
+        w[..., :half].copy_(packed & 0x0F)
+        w[..., half:].copy_(packed >> 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _compiling_few_rows(x):
+            return super().forward(x)
+        # sum_j (q_j * s + m) * x_j over the whole row, each weight dequantized in registers: Inductor writes one
+        # loop with one accumulator per row, and each nibble plane meets a contiguous run of x.
+        half = self.group_size // 2
+        xg = x.reshape(*x.shape[:-1], 1, self.n_groups, 2, half)  # (..., 1, n_groups, 2 halves, group / 2)
+        packed = self.weight.reshape(self.out_features, self.n_groups, half)  # (out, n_groups, group / 2)
+        scales = self.scales.to(x.dtype).unsqueeze(-1)  # (out, n_groups, 1)
+        mins = self.mins.to(x.dtype).unsqueeze(-1)
+        low = (packed & 0x0F).to(x.dtype) * scales + mins  # the dequantized weights of each group's first half
+        high = (packed >> 4).to(x.dtype) * scales + mins
+        return (low * xg[..., 0, :] + high * xg[..., 1, :]).sum((-1, -2))  # (..., out)
+
+
+class Int4KernelLinear(Int4Linear):
+    """int4 on the CPU in bf16 through `aten._weight_int4pack_mm_for_cpu`, in that kernel's own packing.
+
+    The kernel computes (q - 8) * scale + zero with bf16 scales and zero points (zero = min + 8 * scale),
+    held in `kernel_scales` in place of the float16 scales and mins, so a 7B model's int4 bytes are not held
+    twice. `state_dict()` gives the on-disk layout back, with the scales as the kernel rounds them.
+    """
+
+    @classmethod
+    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "Int4KernelLinear":
+        new = cls(layer.in_features, layer.out_features, layer.group_size)
+        packed, scales, mins = [], [], []
+        for start, end in new._row_slices():
+            q, s, m = layer.format_values(start, end)
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+            scales.append(s)
+            mins.append(m)
+        new.weight = torch.cat(packed)
+        s, m = torch.cat(scales).float(), torch.cat(mins).float()
+        new.kernel_scales = torch.stack([s, m + 8 * s], dim=-1).transpose(0, 1).contiguous().bfloat16()  # (n_groups, out, 2)
+        new.scales = new.mins = None
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.weight,
+                                                         self.group_size, self.kernel_scales)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _kernel_scales_as_format(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        s, zero = self.kernel_scales.float().transpose(0, 1).unbind(-1)  # (out, n_groups) each
+        return s.to(SCALE_DTYPE), (zero - 8 * s).to(SCALE_DTYPE)
+
+    def format_values(self, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+        packed = self.weight[start:end]  # packed in blocks of rows: slices must start and end on them
+        assert start % INT4_ROW_BLOCK == 0 and packed.shape[0] % INT4_ROW_BLOCK == 0
+        scales, mins = self._kernel_scales_as_format()
+        return _from_kernel_layout(packed, self.in_features), scales[start:end], mins[start:end]
+
+    def format_tensors(self) -> Dict[str, torch.Tensor]:
+        values, scales, mins = self.format_values()
+        return {"weight": pack_int4(values), "scales": scales, "mins": mins}
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_values(*self.format_values()).to(dtype)
+
+
+def _from_kernel_layout(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Undo `_convert_weight_to_int4pack_for_cpu`: (out, in // 2) kernel bytes -> (out, in) values 0..15.
+
+    The kernel's layout is private and may change between releases, so it is learned rather than assumed:
+    packing a 64-row block whose values spell each position's index (four bits at a time) shows where each
+    value goes.
+    """
+    perm = _kernel_permutation(in_features)
+    blocks = unpack_int4(packed).reshape(-1, INT4_ROW_BLOCK * in_features)  # (out / 64, 64 * in), kernel order
+    values = torch.empty_like(blocks)
+    values[:, perm] = blocks
+    return values.reshape(-1, in_features)
+
+
+_PERMUTATIONS: Dict[int, torch.Tensor] = {}
+
+
+def _kernel_permutation(in_features: int) -> torch.Tensor:
+    if in_features not in _PERMUTATIONS:
+        n = INT4_ROW_BLOCK * in_features
+        index = torch.arange(n).reshape(INT4_ROW_BLOCK, in_features)
+        perm = torch.zeros(n, dtype=torch.long)
+        for digit in range((n - 1).bit_length() // 4 + 1):
+            q = ((index >> (4 * digit)) & 15).to(torch.int32)
+            perm |= unpack_int4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)).reshape(-1).long() << (4 * digit)
+        _PERMUTATIONS[in_features] = perm
+    return _PERMUTATIONS[in_features]
+
+
+def layer_class(layer: nn.Module, dtype: torch.dtype, compiled: bool, kernels: bool = True,
+                integer: Optional[bool] = None) -> Type[nn.Module]:
+    """The class a linear layer should be, for activations of `dtype` on its device, eager or compiled.
+
+    Args:
+        layer: an nn.Linear, or a quantized layer of any class.
+        kernels: allow any quantized kernel, ours or torch's private ones (tests turn them off to run the
+            exact fallbacks).
+        integer: run quantized layers on the integer kernels (llama/quant/dot_linears.py) where they apply; False
+            keeps them on the exact weight-only paths; None keeps each layer on the family it is in.
+    """
+    cpu = layer.weight.device.type == "cpu"
+    if isinstance(layer, nn.Linear):
+        if not (cpu and compiled):
+            return nn.Linear
+        if kernels and kernels_loaded() and dtype == torch.float32 and layer.weight.is_contiguous():
+            return RowsLinear
+        return ReductionLinear
+    kernels = kernels and cpu
+    if integer is None:
+        integer = getattr(layer, "integer_kernels", False)
+    if kernels and integer:
+        cls = integer_class(layer, dtype)
+        if cls is not None:
+            return cls
+    if layer.method == "int8":
+        takes_kernel = kernels and HAS_INT8_KERNEL and layer.n_groups == 1
+        if takes_kernel and (dtype == torch.bfloat16 or (dtype == torch.float32 and not compiled)):
+            return Int8KernelLinear
+        return Int8ReductionLinear if cpu and compiled else Int8Linear
+    takes_kernel = (kernels and HAS_INT4_KERNEL and dtype == torch.bfloat16 and layer.group_size in INT4_KERNEL_GROUPS
+                    and layer.out_features % INT4_ROW_BLOCK == 0)
+    if takes_kernel:
+        return Int4KernelLinear
+    return Int4HalvesLinear if cpu and compiled else Int4Linear
+
+
+def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool = True,
+                         integer: Optional[bool] = None) -> nn.Module:
+    """Make every linear layer of a loaded model the class `layer_class` picks for it, in place; returns it.
+
+    Quantized layers are re-packed into their new class's layout (the old tensors are dropped); float ones
+    only change class. The activations' dtype is the model's (its embedding's). Forward hooks stay.
+    `kernels` and `integer` are `layer_class`'s. On the integer kernels, projections of the same input become one
+    layer (llama/quant/fuse.py) and attention becomes row-exact (llama/nn/row_attention.py).
+    """
+    dtype = model.dtype
+    linear = (nn.Linear, QuantizedLinear)
+    # The parents only: a list of every module would hold each old layer until the end, the model twice.
+    parents = [m for m in model.modules() if any(isinstance(c, linear) for c in m.children())]
+    choose = lambda layer: layer_class(layer, dtype, compiled, kernels, integer)  # noqa: E731
+    with shared_huge_pages():  # the re-packed layers under 2 MiB, side by side on 2 MiB pages
+        for parent in parents:
+            # Projections of the same input, on the integer kernels, become one product (llama/quant/fuse.py).
+            repacked = fuse.fuse(parent, choose, dtype)
+            for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
+                layer = getattr(parent, name)
+                cls = choose(layer)
+                if type(layer) is cls:
+                    continue
+                if isinstance(layer, nn.Linear):
+                    layer.__class__ = cls  # same parameters, same state_dict
+                    continue
+                new = cls.from_layer(layer, dtype)
+                new._forward_hooks.update(layer._forward_hooks)
+                setattr(parent, name, new)
+                repacked = True
+            layer = new = None
+            if repacked:
+                # Hand the old layers' freed heap memory back now: the integer kernels' new ones live in mappings
+                # of their own (2 MiB pages, llama/runtime/pages.py), which would not reuse it.
+                return_free_memory()
+    _choose_attention(model)
+    return model
+
+
+def _choose_attention(model: nn.Module) -> None:
+    """Attention, the rotary embedding and the norms go with the linear layers: row-exact (llama/nn/row_attention.py)
+    where they run on the integer kernels, whose rounding would amplify any difference between a position
+    computed alone and among others, or compiled and eager; torch's own ops otherwise."""
+    from llama.model import RMSNorm, Rotary, ScaledDotProductAttention
+    from llama.nn.row_attention import RowExactAttention, RowExactRMSNorm, RowExactRotary
+
+    integer = any(getattr(m, "integer_kernels", False) for m in model.modules())
+    for module in model.modules():  # they hold nothing: a change of class is all it takes
+        if isinstance(module, ScaledDotProductAttention):
+            module.__class__ = RowExactAttention if integer else ScaledDotProductAttention
+        elif isinstance(module, Rotary):
+            module.__class__ = RowExactRotary if integer else Rotary
+        elif isinstance(module, RMSNorm):
+            module.__class__ = RowExactRMSNorm if integer else RMSNorm

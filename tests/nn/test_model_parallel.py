@@ -1,0 +1,83 @@
+"""Model parallelism under real torchrun (gloo on the CPU): N shards on M processes, cache on and off."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, BIN, TORCHRUN, generate_json, write_tiny
+
+pytestmark = pytest.mark.slow  # every test starts torchrun
+
+PROMPTS = ["I believe the meaning of life is", "Hello", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """The same weights as 1, 2 and 4 shards."""
+    root = tmp_path_factory.mktemp("mp")
+    return {n: write_tiny(root / f"shards{n}", "gqa", num_shards=n, seed=11)[0] for n in (1, 2, 4)}
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def generate(ckpt, prompts_file, nproc, kv_cache=True):
+    """llama-generate's JSON records, run by one plain process or by torchrun with `nproc` ranks."""
+    flags = ["--prompts-file", prompts_file, "--echo"] + ([] if kv_cache else ["--no-kv-cache"])
+    return generate_json(ckpt, *flags, nproc=nproc, max_gen_len=16)
+
+
+def assert_same(a, b):
+    assert len(a) == len(b) == len(PROMPTS)  # only rank 0 printed
+    for x, y in zip(a, b):
+        assert x["tokens"] == y["tokens"] and x["text"] == y["text"]
+        assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoints, prompts_file):
+    return generate(checkpoints[1], prompts_file, nproc=1)
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])
+def test_two_shards_on_two_processes_match_one_process(checkpoints, prompts_file, single_process, kv_cache):
+    assert_same(generate(checkpoints[2], prompts_file, nproc=2, kv_cache=kv_cache), single_process)
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])
+def test_one_shard_on_two_processes_is_split_on_load(checkpoints, prompts_file, single_process, kv_cache):
+    assert_same(generate(checkpoints[1], prompts_file, nproc=2, kv_cache=kv_cache), single_process)
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])
+def test_four_shards_on_two_processes_are_merged_and_resplit(checkpoints, prompts_file, single_process, kv_cache):
+    assert_same(generate(checkpoints[4], prompts_file, nproc=2, kv_cache=kv_cache), single_process)
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])
+def test_two_shards_on_one_process_are_merged(checkpoints, prompts_file, single_process, kv_cache):
+    assert_same(generate(checkpoints[2], prompts_file, nproc=1, kv_cache=kv_cache), single_process)
+
+
+def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, prompts_file):
+    cmd = TORCHRUN + ["--nproc_per_node=3", "--no-python", str(BIN / "llama-generate"),
+                      "--ckpt-dir", str(checkpoints[1]), "--prompt", "hi", "--device", "cpu"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "error: n_heads 8 is not divisible by the model-parallel size 3" in result.stderr
+
+
+def test_compile_under_torchrun_is_refused(checkpoints):
+    cmd = TORCHRUN + ["--nproc_per_node=2", "--no-python", str(BIN / "llama-generate"),
+                      "--ckpt-dir", str(checkpoints[2]), "--prompt", "Hello", "--device", "cpu", "--compile"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "error: --compile runs in one process, not under torchrun with 2 processes" in result.stderr
+    # torchrun prints a traceback of its own when a rank exits non-zero; none may come from this project.
+    assert str(REPO / "llama") not in result.stderr
