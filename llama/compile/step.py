@@ -12,7 +12,6 @@ symbolic sizes, so one compilation serves every step of every later call with th
 import atexit
 import os
 import re
-import sys
 from typing import List, Optional, Union
 
 import torch
@@ -127,15 +126,13 @@ class CompiledStep:
 
     def finish(self, progress: Optional[Progress] = None) -> None:
         """Wait for the packages being built in the background to be stored, so that later processes load them;
-        told to `progress` as the build is. KeyboardInterrupt leaves them unbuilt: a later process builds them (a
+        told to `progress` as the build is (the commands print it; the library says nothing). KeyboardInterrupt leaves them unbuilt: a later process builds them (a
         package is written under a temporary name, then renamed, so none is ever read half-written)."""
         ahead = self.ahead_of_time
         if ahead is None or not ahead.building:
             return
         what = (f"storing the compiled decode step for later runs (once per model shape, in {aot.compiled_dir()}; "
                 "Ctrl-C skips it)")
-        if progress is None:
-            print(f"llama: {what}", file=sys.stderr, flush=True)
         try:
             with progress_step(or_silent(progress), what):
                 ahead.wait()
