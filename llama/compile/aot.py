@@ -15,6 +15,7 @@ again, never run.
 """
 
 import copy
+import functools
 import hashlib
 import json
 import logging
@@ -93,6 +94,7 @@ def compiled_dir() -> Path:
     return Path(os.environ[DIR_ENV]).expanduser() if os.environ.get(DIR_ENV) else home_dir() / "compiled"
 
 
+@functools.lru_cache(maxsize=None)  # the sources do not change under a running process
 def _sources_digest() -> str:
     h = hashlib.sha256()
     for path in sorted(_SOURCES.rglob("*")):
