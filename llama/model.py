@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.nn.kv_cache import KVCache, PagedKVCache
+from llama.nn.kv_cache import KVCache, PagedKVCache, being_traced
 
 
 @dataclass
@@ -67,38 +67,42 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_cis(head_dim: int, theta: float, start_pos: int, seqlen: int, device: torch.device) -> torch.Tensor:
-    """e^(i * position * frequency) for positions start_pos .. start_pos + seqlen - 1: (seqlen, head_dim // 2) complex64.
+def rope_cis(head_dim: int, theta: float, positions: torch.Tensor) -> torch.Tensor:
+    """e^(i * position * frequency) for each of `positions` (any shape): (*positions.shape, head_dim // 2) complex64.
 
-    Computed for the positions at hand on every call, in float32, so casting the model to bf16 never
-    rounds them and no table has to be kept on the right device.
-    """
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim))
-    t = torch.arange(start_pos, start_pos + seqlen, device=device, dtype=torch.float32)
-    angles = torch.outer(t, freqs)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def rope_cis_at(head_dim: int, theta: float, positions: torch.Tensor) -> torch.Tensor:
-    """e^(i * position * frequency) for each of `positions` (bsz, seqlen): (bsz, seqlen, head_dim // 2) complex64.
-
-    The same numbers `rope_cis` gives for the same positions (tested bit for bit), for rows that each sit at
-    their own positions; no Python number decides the shapes, so an exported step can take it as it is.
+    Meta's `precompute_freqs_cis` tabulates these for positions 0 .. 2 * max_seq_len once; here they are computed
+    for the positions at hand on every call, in float32, so casting the model to bf16 never rounds them, no
+    table has to be kept on the right device, and rows at positions of their own (a server's batch) get theirs.
     """
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device)[: head_dim // 2].float() / head_dim))
-    angles = positions.float()[..., None] * freqs  # (bsz, seqlen, head_dim // 2): what torch.outer multiplies
+    angles = positions.float()[..., None] * freqs  # (..., head_dim // 2): what Meta's torch.outer multiplies
     return torch.polar(torch.ones_like(angles), angles)
 
 
 def positions_mask(input_pos: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """(bsz, seqlen, kv_len) additive mask: the token at position p sees key columns 0 .. p and nothing after.
+    """(rows, seqlen, kv_len) additive mask: the token at position p sees key columns 0 .. p and nothing after.
 
-    For caches whose key column j holds position j of the row (`KVCache.update_at`): columns past a row's
-    position hold the future, another sequence's leftovers or nothing, and are hidden alike.
+    Key column j holds position j of the row, in a cache (`KVCache.update_at`) and in a pass without one (whose
+    positions are 0 .. seqlen - 1): columns past a row's position hold the future, another sequence's
+    leftovers or nothing, and are hidden alike. `input_pos` is (bsz, seqlen), or (1, seqlen) shared by every row.
     """
     cols = torch.arange(kv_len, device=input_pos.device)
-    hidden = cols[None, None, :] > input_pos[:, :, None]  # (bsz, seqlen, kv_len)
+    hidden = cols[None, None, :] > input_pos[:, :, None]  # (rows, seqlen, kv_len)
     return torch.zeros(hidden.shape, dtype=dtype, device=input_pos.device).masked_fill(hidden, float("-inf"))
+
+
+def _check_whole_prefix(input_pos: torch.Tensor) -> None:
+    """Without a cache a token sees only the tokens fed with it, so they must be its whole prefix, 0 .. seqlen - 1.
+    Fed from a later position, they would be rotated as if something came before them and see nothing of it:
+    fluent gibberish. (Not checked while tracing: an exported step cannot branch on a tensor's values.)"""
+    if being_traced(input_pos):
+        return
+    expected = torch.arange(input_pos.shape[1], device=input_pos.device)
+    if not torch.equal(input_pos, expected.expand_as(input_pos)):
+        first = input_pos[:, 0].tolist()
+        raise ValueError("without a KV cache the whole prefix must be fed, at positions 0 .. seqlen - 1 in every row, "
+                         f"not from position {first[0] if len(set(first)) == 1 else first}; to feed tokens at later "
+                         "positions, pass the cache that holds the earlier ones")
 
 
 def rotation_pairs(freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -152,15 +156,19 @@ class Attention(nn.Module):
         self.rotate = Rotary()
         self.attend = ScaledDotProductAttention()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        start_pos: int,
-        freqs_cis: torch.Tensor,
-        mask: Optional[torch.Tensor],
-        cache: Optional[KVCache],
-        input_pos: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: torch.Tensor, cache: Optional[KVCache],
+                input_pos: torch.Tensor) -> torch.Tensor:
+        """Attention of x's tokens, at positions `input_pos`, over the keys of their rows up to themselves.
+
+        Args:
+            x: (bsz, seqlen, dim) activations.
+            freqs_cis: (rows, seqlen, head_dim // 2) rotations of those positions (`rope_cis`).
+            mask: (rows, seqlen, kv_len) additive mask (`positions_mask`); its width is how many key columns
+                are read, so a cache filled up to kv_len is never read past it.
+            cache: this layer's cache, which writes the new keys and values at `input_pos` and returns every
+                column it holds (column j: position j); None to attend over the tokens fed alone.
+            input_pos: (rows, seqlen) positions; rows is bsz, or 1 for positions every row shares.
+        """
         bsz, seqlen, _ = x.shape
         n_rep = self.n_heads // self.n_kv_heads
         xq, xk, xv = self.project(x)
@@ -172,25 +180,23 @@ class Attention(nn.Module):
 
         keys = xk.transpose(1, 2)  # (bsz, n_kv_heads, seqlen, head_dim)
         values = xv.transpose(1, 2)
-        if cache is not None and input_pos is None:
-            keys, values = cache.update(start_pos, keys, values)  # (bsz, n_kv_heads, start_pos + seqlen, head_dim)
-        elif cache is not None:
-            keys, values = cache.update_at(input_pos, keys, values)  # (bsz, n_kv_heads, kv_len, head_dim)
-        kv_len = keys.shape[2]
+        if cache is not None:
+            keys, values = cache.update_at(input_pos, keys, values)  # (bsz, n_kv_heads, cache's kv_len, head_dim)
+        kv_len = mask.shape[-1]
+        keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
 
         # Grouped-query attention without repeating keys and values: query head h reads KV head
         # h // n_rep, so the n_rep query heads of a group are folded into the sequence axis of one
         # attention over that group's KV head.
         xq = xq.view(bsz, seqlen, self.n_kv_heads, n_rep, self.head_dim)
         xq = xq.permute(0, 2, 3, 1, 4).reshape(bsz, self.n_kv_heads, n_rep * seqlen, self.head_dim)
-        if mask is not None and mask.dim() == 2:
-            # A mask that broadcasts but does not cover exactly the keys fed would not fail; it would
-            # silently let tokens see the future or hide the past.
-            assert mask.shape == (seqlen, kv_len), f"mask {tuple(mask.shape)} for {seqlen} queries, {kv_len} keys"
-            mask = mask.repeat(n_rep, 1)  # (n_rep * seqlen, kv_len), matching the folded queries
-        elif mask is not None:  # one mask per row
-            assert mask.shape == (bsz, seqlen, kv_len), f"mask {tuple(mask.shape)} for {bsz} x {seqlen} queries, {kv_len} keys"
-            mask = mask.repeat(1, n_rep, 1).unsqueeze(1)  # (bsz, 1, n_rep * seqlen, kv_len)
+        # A mask that broadcasts but does not cover exactly the keys read would not fail; it would silently let
+        # tokens see the future or hide the past.
+        assert mask.shape[0] in (1, bsz) and mask.shape[1:] == (seqlen, keys.shape[2]), \
+            f"mask {tuple(mask.shape)} for {bsz} x {seqlen} queries, {keys.shape[2]} keys"
+        # (rows, seqlen, kv_len) -> (bsz, 1, n_rep * seqlen, kv_len), matching the folded queries; rows sharing one
+        # mask read it through a stride of 0.
+        mask = mask.repeat(1, n_rep, 1).unsqueeze(1).expand(bsz, -1, -1, -1)
         out = self.attend(xq, keys, values, mask)
         # (bsz, n_kv_heads, n_rep * seqlen, head_dim) -> (bsz, seqlen, n_heads * head_dim)
         out = out.view(bsz, self.n_kv_heads, n_rep, seqlen, self.head_dim).permute(0, 3, 1, 2, 4)
@@ -226,8 +232,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x, start_pos, freqs_cis, mask, cache, input_pos=None):
-        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask, cache, input_pos)
+    def forward(self, x, freqs_cis, mask, cache, input_pos):
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, cache, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -314,7 +320,7 @@ class Transformer(nn.Module):
         num_logits: Optional[int] = None,
         input_pos: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Logits for the tokens fed.
+        """Logits for the tokens fed: Meta's signature, over `forward_at`.
 
         Args:
             tokens: (bsz, seqlen) ids at positions start_pos .. start_pos + seqlen - 1.
@@ -323,49 +329,58 @@ class Transformer(nn.Module):
             cache: per-layer KV caches holding positions 0 .. start_pos - 1, updated in place; None to
                 run without one.
             num_logits: compute logits for only the last this many positions (all when None).
-            input_pos: (bsz, seqlen) position of every token, when each row sits at positions of its own
-                (a server's batch of sequences); start_pos is then unused. Each row's keys and values are
-                written at its positions and a token sees its row's positions up to its own; the cache must
-                be given and take positions (`update_at`: `KVCache`, or `PagedKVCache.for_step`'s layers).
+            input_pos: (bsz, seqlen) position of every token, for rows that each sit at positions of their
+                own (a server's batch); start_pos is then unused (see `forward_at`).
 
         Returns:
             (bsz, num_logits or seqlen, vocab_size) float32 logits.
         """
         if input_pos is not None:
-            return self._forward_at(tokens, input_pos, cache, num_logits)
+            return self.forward_at(tokens, input_pos, cache, num_logits)
         if cache is None and start_pos != 0:
             raise ValueError(f"without a KV cache the whole prefix must be fed from position 0, not {start_pos}; "
                              "to feed tokens at a later position, pass the cache that holds the earlier ones "
                              "(cache=model.new_kv_cache(bsz, max_seq_len), where Meta's model keeps one inside)")
-        if cache is not None and len(cache) != self.n_layers:
-            raise ValueError(f"expected {self.n_layers} layer caches, got {len(cache)}")
+        seqlen = tokens.shape[1]
+        positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device)[None]  # (1, seqlen): every row's
+        # The cache holds nothing past the tokens fed yet: its columns up to theirs are all a token may see.
+        return self.forward_at(tokens, positions, cache, num_logits, kv_len=start_pos + seqlen)
+
+    def forward_at(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache: Optional[List[KVCache]] = None,
+                   num_logits: Optional[int] = None, kv_len: Optional[int] = None) -> torch.Tensor:
+        """Logits for tokens at the positions given: the model's one path (eager, compiled, batched, uncached).
+
+        Args:
+            tokens: (bsz, seqlen) ids.
+            input_pos: (bsz, seqlen) position of every token, or (1, seqlen) positions every row shares. Each
+                token is rotated by its position, its key and value are written at it, and it sees its row's
+                positions up to its own. Without a cache they must be 0 .. seqlen - 1: the whole prefix.
+            cache: per-layer caches that take positions (`KVCache`, or `PagedKVCache.for_step`'s layers), updated
+                in place; None to run without one.
+            num_logits: compute logits for only the last this many positions (all when None).
+            kv_len: read only the first kv_len key columns of the cache (every column it holds when None), when
+                the caller knows the later ones hold nothing yet; a Python number, so a compiled step, whose
+                shapes must not depend on the positions, leaves it out.
+
+        Returns:
+            (bsz, num_logits or seqlen, vocab_size) float32 logits.
+        """
         bsz, seqlen = tokens.shape
+        if input_pos.dim() != 2 or input_pos.shape[0] not in (1, bsz) or input_pos.shape[1] != seqlen:
+            raise ValueError(f"input_pos {tuple(input_pos.shape)} must be ({bsz}, {seqlen}) or (1, {seqlen}) "
+                             f"for tokens {tuple(tokens.shape)}")
+        if cache is None:
+            _check_whole_prefix(input_pos)
+            kv_len = seqlen
+        elif len(cache) != self.n_layers:
+            raise ValueError(f"expected {self.n_layers} layer caches, got {len(cache)}")
+        elif kv_len is None:
+            kv_len = cache[0].kv_len
         h = self.tok_embeddings(tokens)  # (bsz, seqlen, dim)
-        freqs_cis = rope_cis(self.params.head_dim, self.params.rope_theta, start_pos, seqlen, tokens.device)
-
-        mask = None
-        if seqlen > 1:
-            # Each new token sees every cached position (the start_pos zero columns in front) and the
-            # new tokens up to itself; a single new token sees everything, so it needs no mask.
-            causal = torch.full((seqlen, seqlen), float("-inf"), device=tokens.device).triu(1)
-            mask = torch.hstack([torch.zeros((seqlen, start_pos), device=tokens.device), causal]).type_as(h)
-
+        freqs_cis = rope_cis(self.params.head_dim, self.params.rope_theta, input_pos)  # (rows, seqlen, head_dim // 2)
+        mask = positions_mask(input_pos, kv_len, h.dtype)  # (rows, seqlen, kv_len)
         for i, layer in enumerate(self.layers):
-            h = layer(h, start_pos, freqs_cis, mask, None if cache is None else cache[i])
-        return self._logits(h, num_logits)
-
-    def _forward_at(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache, num_logits: Optional[int]) -> torch.Tensor:
-        """`forward` for rows at positions of their own: rotations, cache writes and masks per row."""
-        if cache is None or len(cache) != self.n_layers:
-            raise ValueError(f"input_pos needs a cache of {self.n_layers} layers that takes positions, "
-                             f"got {'none' if cache is None else len(cache)}")
-        if input_pos.shape != tokens.shape:
-            raise ValueError(f"input_pos {tuple(input_pos.shape)} must have the shape of tokens {tuple(tokens.shape)}")
-        h = self.tok_embeddings(tokens)  # (bsz, seqlen, dim)
-        freqs_cis = rope_cis_at(self.params.head_dim, self.params.rope_theta, input_pos)  # (bsz, seqlen, head_dim // 2)
-        mask = positions_mask(input_pos, cache[0].kv_len, h.dtype)  # (bsz, seqlen, kv_len)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, 0, freqs_cis, mask, cache[i], input_pos)
+            h = layer(h, freqs_cis, mask, None if cache is None else cache[i], input_pos)
         return self._logits(h, num_logits)
 
     def _logits(self, h: torch.Tensor, num_logits: Optional[int]) -> torch.Tensor:

@@ -45,7 +45,7 @@ def test_rotary_rotates_adjacent_pairs_by_position_times_frequency():
     torch.manual_seed(0)
     x = torch.randn(2, 5, 3, 16)
     start_pos, theta = 7, 10000.0
-    ours = apply_rotary_emb(x, rope_cis(16, theta, start_pos, 5, x.device))
+    ours = apply_rotary_emb(x, rope_cis(16, theta, torch.arange(start_pos, start_pos + 5)))
     pos = torch.arange(start_pos, start_pos + 5).float()[None, :, None, None]
     freqs = theta ** (-torch.arange(0, 16, 2).float() / 16)
     angle = pos * freqs  # (1, 5, 1, 8)
@@ -59,8 +59,8 @@ def test_rotary_scores_depend_only_on_relative_position():
     q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
 
     def score(m, n):
-        return (apply_rotary_emb(q, rope_cis(32, 10000.0, m, 1, q.device)) *
-                apply_rotary_emb(k, rope_cis(32, 10000.0, n, 1, q.device))).sum()
+        return (apply_rotary_emb(q, rope_cis(32, 10000.0, torch.tensor([m]))) *
+                apply_rotary_emb(k, rope_cis(32, 10000.0, torch.tensor([n])))).sum()
 
     torch.testing.assert_close(score(5, 2), score(105, 102), rtol=0, atol=1e-4)
     assert not torch.allclose(score(5, 2), score(5, 3), atol=1e-3)
@@ -74,7 +74,7 @@ def test_the_row_exact_rotary_rotates_a_position_alone_bit_for_bit_as_among_othe
     rotate with RowExactRotary (torch's complex multiply, the float paths' rotary, differed for one head of 8
     dimensions: a rank's share of the tiny model under torchrun). It rotates as the complex product does."""
     x = torch.randn(3, 12, heads, head_dim, generator=torch.Generator().manual_seed(heads))
-    freqs = rope_cis(head_dim, 10000.0, 0, 12, "cpu")
+    freqs = rope_cis(head_dim, 10000.0, torch.arange(12))
     together = RowExactRotary()(x, freqs)
     torch.testing.assert_close(together, apply_rotary_emb(x, freqs), rtol=0, atol=1e-6)
     for p in range(12):
@@ -87,19 +87,19 @@ def test_kv_cache_is_sized_by_kv_heads_and_refuses_to_overflow():
     assert len(caches) == 2
     assert caches[0].cache_k.shape == (3, 2, 10, 8)  # 2 KV heads, not 8 query heads
     assert caches[0].nbytes == 2 * 3 * 2 * 10 * 8 * 4
-    keys, values = caches[0].update(0, torch.ones(3, 2, 4, 8), torch.ones(3, 2, 4, 8))
-    assert keys.shape == (3, 2, 4, 8)
-    keys, _ = caches[0].update(4, torch.full((3, 2, 6, 8), 2.0), torch.ones(3, 2, 6, 8))
-    assert keys.shape == (3, 2, 10, 8) and keys[0, 0, 3, 0] == 1 and keys[0, 0, 4, 0] == 2
+    keys, values = caches[0].update_at(torch.arange(4)[None], torch.ones(3, 2, 4, 8), torch.ones(3, 2, 4, 8))
+    assert keys.shape == (3, 2, 10, 8) and keys[0, 0, 3, 0] == 1 and keys[0, 0, 4, 0] == 0
+    keys, _ = caches[0].update_at(torch.arange(4, 10)[None], torch.full((3, 2, 6, 8), 2.0), torch.ones(3, 2, 6, 8))
+    assert keys[0, 0, 3, 0] == 1 and keys[0, 0, 4, 0] == 2 and keys[2, 1, 9, 7] == 2
     with pytest.raises(ValueError, match="overflow"):
-        caches[0].update(10, torch.ones(3, 2, 1, 8), torch.ones(3, 2, 1, 8))
+        caches[0].update_at(torch.tensor([[10]]), torch.ones(3, 2, 1, 8), torch.ones(3, 2, 1, 8))
     with pytest.raises(ValueError, match="overflow"):
-        caches[0].update(8, torch.ones(3, 2, 3, 8), torch.ones(3, 2, 3, 8))
+        caches[0].update_at(torch.arange(8, 11)[None], torch.ones(3, 2, 3, 8), torch.ones(3, 2, 3, 8))
 
 
 def test_kv_cache_reset_clears_it():
     cache = KVCache(1, 4, 1, 2, torch.float32, torch.device("cpu"))
-    cache.update(0, torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2))
+    cache.update_at(torch.arange(4)[None], torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2))
     cache.reset()
     assert cache.cache_k.abs().sum() == 0 and cache.cache_v.abs().sum() == 0
 

@@ -73,38 +73,11 @@ class KVCache(nn.Module):
         self.cache_k.zero_()
         self.cache_v.zero_()
 
-    def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Write keys and values for positions start_pos .. start_pos + seqlen - 1.
-
-        Args:
-            start_pos: position of the first new token.
-            xk, xv: (bsz, n_kv_heads, seqlen, head_dim) keys and values of the new tokens.
-
-        Returns:
-            Views of the cached keys and values for positions 0 .. start_pos + seqlen - 1,
-            each (bsz, n_kv_heads, start_pos + seqlen, head_dim).
-
-        Raises:
-            ValueError: the write would go past the end of the cache, or the batch does not fit it.
-        """
-        bsz, _, seqlen, _ = xk.shape
-        end = start_pos + seqlen
-        if start_pos < 0 or end > self.max_seq_len:
-            raise ValueError(
-                f"KV cache overflow: positions {start_pos}..{end - 1} do not fit a cache of "
-                f"{self.max_seq_len} positions"
-            )
-        if bsz > self.batch_size:
-            raise ValueError(f"a batch of {bsz} rows does not fit a KV cache built for {self.batch_size}")
-        self.cache_k[:bsz, :, start_pos:end] = xk
-        self.cache_v[:bsz, :, start_pos:end] = xv
-        return self.cache_k[:bsz, :, :end], self.cache_v[:bsz, :, :end]
-
     def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Write each row's keys and values at its own positions (gpt-fast's `input_pos`).
+        """Write each row's keys and values at its positions (gpt-fast's `input_pos`).
 
         Args:
-            input_pos: (bsz, seqlen) positions of the new tokens, row by row.
+            input_pos: (bsz, seqlen) positions of the new tokens, row by row, or (1, seqlen) shared by every row.
             xk, xv: (bsz, n_kv_heads, seqlen, head_dim) keys and values of the new tokens.
 
         Returns:
@@ -118,6 +91,10 @@ class KVCache(nn.Module):
         if bsz > self.batch_size:
             raise ValueError(f"a batch of {bsz} rows does not fit a KV cache built for {self.batch_size}")
         _check_positions(input_pos, self.max_seq_len)
+        if input_pos.shape[0] == 1:  # one copy along the positions for all rows (advanced indexing is slower)
+            self.cache_k[:bsz].index_copy_(2, input_pos[0], xk)
+            self.cache_v[:bsz].index_copy_(2, input_pos[0], xv)
+            return self.cache_k[:bsz], self.cache_v[:bsz]
         rows = torch.arange(bsz, device=input_pos.device)[:, None]  # (bsz, 1)
         self.cache_k[rows, :, input_pos] = xk.transpose(1, 2)  # indexed as (bsz, seqlen, n_kv_heads, head_dim)
         self.cache_v[rows, :, input_pos] = xv.transpose(1, 2)
@@ -128,7 +105,7 @@ def being_traced(x: torch.Tensor) -> bool:
     """Whether `x` is a tracer's stand-in (torch.compile's, or torch.export's) rather than a tensor being computed.
 
     Not `torch.compiler.is_compiling()`: that is one flag for the whole process, set while a step is exported or
-    compiled on a background thread (llama/aot.py), when the eager steps running meanwhile must stay eager."""
+    compiled on a background thread (llama/compile/aot.py), when the eager steps running meanwhile must stay eager."""
     return torch.compiler.is_dynamo_compiling() or type(x) is not torch.Tensor
 
 

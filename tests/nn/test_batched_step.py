@@ -10,7 +10,7 @@ import torch
 
 from helpers import build
 from llama.nn.kv_cache import KVCache, PagedKVCache
-from llama.model import rope_cis, rope_cis_at
+from llama.model import rope_cis
 
 
 def _rows(model, lengths, seed=5):
@@ -24,11 +24,11 @@ def _reference(model, row):
     return model(row[None])[0]
 
 
-def test_rotations_at_tensor_positions_equal_the_plain_ones_bit_for_bit():
+def test_rotations_of_a_row_among_others_equal_its_own_bit_for_bit():
     positions = torch.tensor([[0, 1, 2, 3], [17, 18, 19, 20], [63, 64, 65, 66]])
-    at = rope_cis_at(16, 10000.0, positions)
+    at = rope_cis(16, 10000.0, positions)
     for i, row in enumerate(positions.tolist()):
-        assert torch.equal(at[i], rope_cis(16, 10000.0, row[0], len(row), torch.device("cpu")))
+        assert torch.equal(at[i], rope_cis(16, 10000.0, torch.arange(row[0], row[0] + len(row))))
 
 
 def test_plain_path_is_unchanged_by_the_positions_path(gqa_ckpt):
@@ -130,7 +130,12 @@ def test_positions_outside_the_cache_are_refused(gqa_ckpt):
         pool = model.new_paged_kv_cache(num_blocks=4, block_size=4)
         with pytest.raises(ValueError, match="overflow"):
             pool.for_step(torch.tensor([[0, 1]]), torch.tensor([[8]]))
-        with pytest.raises(ValueError, match="needs a cache"):
-            model(torch.zeros((1, 2), dtype=torch.long), input_pos=torch.tensor([[0, 1]]))
+        # Without a cache the positions path is the uncached pass: the whole prefix, from position 0 in every row.
+        tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
+        assert torch.equal(model(tokens, input_pos=torch.arange(3).expand(2, 3)), model(tokens))
+        with pytest.raises(ValueError, match="whole prefix must be fed.*not from position 3"):
+            model(tokens, input_pos=torch.arange(3, 6)[None])
+        with pytest.raises(ValueError, match=r"not from position \[0, 1\]"):
+            model(tokens, input_pos=torch.tensor([[0, 1, 2], [1, 2, 3]]))
     assert isinstance(model.new_kv_cache(1, 4)[0], KVCache) and isinstance(pool, PagedKVCache)
     assert pool.nbytes == model.kv_cache_nbytes(1, 16)
