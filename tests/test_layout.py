@@ -1,4 +1,4 @@
-"""The README's Layout section names every module with the first sentence of its opening comment."""
+"""docs/architecture.md's Layout section names every module with the first sentence of its opening comment."""
 
 import ast
 import re
@@ -16,7 +16,7 @@ def first_sentence(path) -> str:
 
 
 def layout_entries() -> dict:
-    section = REPO.joinpath("README.md").read_text().split("## Layout", 1)[1]
+    section = REPO.joinpath("docs", "architecture.md").read_text().split("## Layout", 1)[1]
     entries, current = {}, None
     for line in section.splitlines():
         if line.startswith("    llama/"):
