@@ -52,7 +52,8 @@ def default_compile() -> Union[bool, str]:
     return "auto" if value == "auto" else value == "1"
 
 
-def loads_compiled(compile: bool, compile_layers: Union[bool, str, None], device: torch.device, world_size: int) -> bool:
+def loads_compiled(compile: bool, compile_layers: Union[bool, str, None], device: torch.device,
+                   world_size: int) -> bool:
     """Whether `Llama.build` plans the layers for a compiled decode step (llama/quant/layer_plan.py): the one `compile`
     makes, or where `compile_layers` is given the one its caller makes with that mode: llama-server's batched step,
     which "auto" compiles only where it comes from stored packages (llama/server/runner.py)."""

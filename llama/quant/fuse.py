@@ -5,8 +5,8 @@ On the integer kernels (llama/quant/dot_linears.py) a product costs a call, a ro
 wake-up of the threads whatever its size, and a small model's are small: the default model makes 210 a token.
 `fuse` holds each group as one layer of their rows one after another (`wqkv`, `w13`), and the module becomes the
 class `FUSED` names for it, whose `project` makes one product and splits it: 120 a token (the layer plan,
-llama/quant/layer_plan.py, decides which groups can be one and changes the module's class). The kernels compute every
-output row apart from the others, so each row gets the same bits as before (tested). `state_dict()` still gives
+llama/quant/layer_plan.py, decides which groups become one and changes the module's class). The kernels compute
+every output row apart from the others, so each row gets the same bits as before (tested). `state_dict()` still gives
 each projection under its own name, in the on-disk layout; the model's `forward` (llama/model.py) is unchanged.
 """
 
@@ -61,9 +61,9 @@ def _separate_state(module: _Fused, state, prefix: str, local_metadata) -> None:
 
 
 def fuse(parent: nn.Module, fused_class: Type[_Fused], cls: Type[DotLinear], dtype: torch.dtype) -> bool:
-    """Hold `parent`'s projections `fused_class.names` as one layer of the integer-kernel class `cls`, `fused_class.joined`,
-    with its state_dict() still giving each under its own name; returns True. The layer plan has checked that `cls`
-    can join them (`cls.can_join`), and makes `parent` a `fused_class` (llama/quant/layer_plan.py)."""
+    """Hold `parent`'s projections `fused_class.names` as one layer `fused_class.joined` of the integer-kernel class
+    `cls`, its state_dict() still giving each under its own name; returns True. The layer plan has checked that
+    `cls` can join them (`cls.can_join`), and makes `parent` a `fused_class` (llama/quant/layer_plan.py)."""
     layers = [getattr(parent, name) for name in fused_class.names]
     joined = cls.from_layers(layers, dtype)
     for name in fused_class.names:

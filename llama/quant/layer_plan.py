@@ -31,8 +31,9 @@ from llama.quant import fuse
 from llama.quant.dot_linears import (DotLinear, Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear,
                                      Int8SixteensDotLinear, dot_class, minimums_are_minus_8_scales)
 from llama.quant.layer import QuantizedLinear
-from llama.quant.linears import (HAS_INT4_KERNEL, HAS_INT8_KERNEL, INT4_KERNEL_GROUPS, INT4_ROW_BLOCK, Int4HalvesLinear,
-                                 Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear, ReductionLinear, RowsLinear)
+from llama.quant.linears import (HAS_INT4_KERNEL, HAS_INT8_KERNEL, INT4_KERNEL_GROUPS, INT4_ROW_BLOCK,
+                                 Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
+                                 ReductionLinear, RowsLinear)
 from llama.runtime.pages import return_free_memory, shared_huge_pages
 
 
