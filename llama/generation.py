@@ -16,7 +16,7 @@ import torch
 
 from llama.chat.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile.step import CompileFailed, CompiledStep, compile_step, default_compile
+from llama.compile.step import CompileFailed, CompiledStep, compile_step, default_compile, loads_compiled
 from llama.convert.cache import resolve_checkpoint
 from llama.runtime.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.runtime.distributed import init_distributed
@@ -28,7 +28,9 @@ from llama.nn.parallel import parallelize
 from llama.nn.session import Session
 from llama.runtime.progress import Progress
 from llama.quant.format import is_linear_weight
+from llama.quant.dot_linears import DotLinear
 from llama.quant.layer import QuantizedLinear
+from llama.quant.layer_plan import Kernels, LayerPlan
 from llama.quant.quantize import check_quant_kernels, describe_plan, slow_path_note
 from llama.tokenizer import Tokenizer
 from llama.io.weights import choose_dtype, load_weights, resolve_plan
@@ -146,6 +148,7 @@ class LoadInfo:
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
     quant_kernels: Optional[str] = None  # what quantized layers multiply with: "integer" or "exact"; None: float
+    layer_plan: Optional[LayerPlan] = None  # the class each layer was made (llama/quant/layer_plan.py)
 
 
 class Llama:
@@ -166,6 +169,7 @@ class Llama:
         progress: Optional[Progress] = None,
         quant_kernels: str = "integer",
         compile_batch_size: int = 1,
+        compile_layers: Optional[Union[bool, str]] = None,
     ) -> "Llama":
         """Load a checkpoint in Meta's layout.
 
@@ -202,6 +206,8 @@ class Llama:
                 the integer kernels (llama/runtime/progress.py).
             compile_batch_size: the batch size whose compiled step is ready when this returns (loaded, or built
                 and stored); steps at other batch sizes are made at their first use.
+            compile_layers: with compile=False, plan the layers (llama/quant/layer_plan.py) for a decode step the
+                caller compiles itself with this mode (llama-server's); None: for the step `compile` makes.
             quant_kernels: what quantized layers multiply with on the CPU. "integer" (the default): the
                 integer kernels of llama/kernels, which round each row of activations to int8 blocks of 32
                 as llama.cpp does (fast; cached and uncached runs agree within the bound
@@ -232,6 +238,7 @@ class Llama:
             compile = device.type == "cpu" and world_size == 1
         if compile and world_size > 1:
             raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
+        compiled = loads_compiled(compile, compile_layers, device, world_size)  # the layers are planned for it
         ckpt_dir = Path(ckpt_dir)
         params = read_params(ckpt_dir)
         tokenizer = Tokenizer(str(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir)))
@@ -251,14 +258,17 @@ class Llama:
         if integer and not kernels.load(progress):
             notes.append(f"the int8/int4 integer kernels cannot run here: {kernels.unavailable_reason()}; quantized "
                          "layers run on the exact weight-only paths")
-        model = load_weights(model, reader, args, plan, rank, world_size, device, dtype,
-                             compiled=compile, integer=integer, progress=progress)
+        if compiled and device.type == "cpu" and dtype == torch.float32:
+            kernels.load(progress)  # float32 products of a few rows on llama_kv.f32_linear (RowsLinear)
+        model, layer_plan = load_weights(model, reader, args, plan, rank, world_size, device, dtype, compiled=compiled,
+                                         integer=integer, have=Kernels.here(), progress=progress)
         quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-        on_exact_paths = [m for m in quantized if not getattr(m, "integer_kernels", False)]
+        on_exact_paths = [m for m in quantized if not isinstance(m, DotLinear)]
         if on_exact_paths and device.type == "cpu" and dtype == torch.float32 and not compile:
             notes.append(slow_path_note(plan, world_size))
         running = None if not quantized else "exact" if on_exact_paths else "integer"
-        info = LoadInfo(ckpt_dir, describe_plan(plan), rank, world_size, notes, quant_kernels=running)
+        info = LoadInfo(ckpt_dir, describe_plan(plan), rank, world_size, notes, quant_kernels=running,
+                        layer_plan=layer_plan)
         llama = Llama(model, tokenizer, seed=seed, info=info)
         if compile:
             compile_start = time.perf_counter()

@@ -24,13 +24,8 @@ import statistics
 
 import fire
 import torch
-from torch import nn
 
 from compare_transformers import PROMPT, ours_once
-
-
-class _AsTorchaoMadeIt(nn.Linear):
-    """A torchao layer hidden from compile_step, which turns plain nn.Linear into its reduction."""
 
 
 def build_torchao(method: str, compile: bool, max_seq_len: int):
@@ -46,10 +41,7 @@ def build_torchao(method: str, compile: bool, max_seq_len: int):
     config = (Int8WeightOnlyConfig(set_inductor_config=False) if method == "int8"
               else PrototypeInt4WeightOnlyConfig(group_size=32, set_inductor_config=False))
     quantize_(llama.model, config)
-    if compile:
-        for module in llama.model.modules():
-            if type(module) is nn.Linear:
-                module.__class__ = _AsTorchaoMadeIt
+    if compile:  # compile_step compiles the layers as they are: torchao's
         llama.compiled_step = compile_step(llama.model)
     return llama
 

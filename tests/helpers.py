@@ -304,7 +304,8 @@ def write_gguf(model, path: Path) -> Path:
 def without_kernels(llama: Llama) -> Llama:
     """A copy of a loaded model whose quantized layers take the exact fallback (widening the weight), as a
     torch without the private quantized kernels would run it."""
-    from llama.quant.linears import Int4KernelLinear, Int8KernelLinear, choose_layer_classes
+    from llama.quant.layer_plan import choose_layer_classes
+    from llama.quant.linears import Int4KernelLinear, Int8KernelLinear
 
     model = choose_layer_classes(copy.deepcopy(llama.model), kernels=False)
     assert not any(isinstance(m, (Int8KernelLinear, Int4KernelLinear)) for m in model.modules())

@@ -36,7 +36,7 @@ def compile_flag(compile: bool, no_compile: bool, no_kv_cache: bool = False) -> 
 def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
                      seed: int, device: Optional[str], dtype: Optional[str], compile: Union[bool, str] = False,
                      quantize: Optional[str] = None, quant_kernels: str = "integer",
-                     compile_batch_size: int = 1) -> Llama:
+                     compile_batch_size: int = 1, compile_layers: Union[bool, str, None] = None) -> Llama:
     ckpt_dir = converted(ckpt_dir) if ckpt_dir is not None else None
     if compile is True and resolve_device(device).type != "cpu":
         # On the CPU the step comes from a stored package, and building one reports itself (llama/compile/aot.py).
@@ -54,6 +54,7 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         quantize=quantize,
         quant_kernels=str(quant_kernels),
         compile_batch_size=compile_batch_size,
+        compile_layers=compile_layers,
         # Under torchrun every rank loads alike: rank 0's reports stand for all.
         progress=_progress(ckpt_dir) if os.environ.get("RANK", "0") == "0" else None,
     )

@@ -121,7 +121,7 @@ def main(
         """This rank's Llama, as every command loads it."""
         llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=parallel, seed=1,
                                  device=device, dtype=dtype, compile=False, quantize=quantize,
-                                 quant_kernels=quant_kernels)
+                                 quant_kernels=quant_kernels, compile_layers=compile if not no_kv_cache else False)
         if compile is True and llama.info.world_size == 1 and llama.model.device.type != "cpu" and not no_kv_cache:
             print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first "
                   "time, less once Inductor has it cached on disk", file=sys.stderr, flush=True)

@@ -147,6 +147,13 @@ UNSUPPORTED_NOTE = (f"the stored compiled step needs torch 2.13 or newer, and th
                     "step runs eagerly, about 3 times slower (compile=False hides this note)")
 
 
+def used(device: torch.device) -> bool:
+    """Whether a compiled decode step on `device` comes from stored packages: on the CPU, where SUPPORTED, unless
+    LLAMA_COMPILE_AOT=0 (torch.compile in every process instead, as before the packages: to measure the difference,
+    scripts/compare_transformers.py --torch_compile, or to work around a torch bug)."""
+    return device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0" and SUPPORTED
+
+
 def _package_loader(package: Path):
     """The package's loader from torch's C++ runtime, without importing Inductor (a second of every start-up)."""
     try:

@@ -16,13 +16,11 @@ from typing import List, Optional, Union
 
 import torch
 
-from llama import kernels
 from llama.compile import aot
 from llama.compile.aot import AheadOfTimeStep, Unsupported, quiet_inductor
 from llama.kernels import build
 from llama.errors import LlamaError, first_line
 from llama.nn.kv_cache import KVCache
-from llama.quant.linears import choose_layer_classes
 from llama.model import Transformer
 from llama.runtime.progress import Progress, or_silent, step as progress_step
 
@@ -54,6 +52,16 @@ def default_compile() -> Union[bool, str]:
     return "auto" if value == "auto" else value == "1"
 
 
+def loads_compiled(compile: bool, compile_layers: Union[bool, str, None], device: torch.device,
+                   world_size: int) -> bool:
+    """Whether `Llama.build` plans the layers for a compiled decode step (llama/quant/layer_plan.py): the one `compile`
+    makes, or where `compile_layers` is given the one its caller makes with that mode: llama-server's batched step,
+    which "auto" compiles only where it comes from stored packages (llama/server/runner.py)."""
+    if compile_layers is None:
+        return bool(compile)
+    return world_size == 1 and (compile_layers is True or (compile_layers == "auto" and aot.used(device)))
+
+
 class CompileFailed(LlamaError):
     """The step could not be compiled; `reason` says why in a few words (the message adds what to do)."""
 
@@ -70,11 +78,6 @@ class CompiledStep:
     """
 
     def __init__(self, model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False):
-        if model.device.type == "cpu" and model.dtype == torch.float32:
-            # Float32 products of a few rows on llama_kv.f32_linear (RowsLinear); without the kernels (no
-            # compiler, not x86) Inductor's reduction (ReductionLinear).
-            kernels.load(progress)
-        choose_layer_classes(model, compiled=True)
         self.model = model
         self._notes: List[str] = []
         self.eager_otherwise = eager_otherwise  # steps the package does not take run eagerly, not torch.compile'd
@@ -85,10 +88,7 @@ class CompiledStep:
         # around a torch bug.
         self._cpp_wrapper = (model.device.type == "cpu"
                              and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
-        # LLAMA_COMPILE_AOT=0 compiles with torch.compile in every process instead, as before the packages: to
-        # measure the difference (scripts/compare_transformers.py --torch_compile) or to work around a torch bug.
-        ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0" and aot.SUPPORTED
-        self.ahead_of_time = AheadOfTimeStep(model, progress) if ahead else None
+        self.ahead_of_time = AheadOfTimeStep(model, progress) if aot.used(model.device) else None
         if model.device.type == "cpu" and eager_otherwise and not aot.SUPPORTED:
             self._notes.append(aot.UNSUPPORTED_NOTE)
 
@@ -166,9 +166,9 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
                  batch_size: int = 1) -> CompiledStep:
     """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
 
-    The model's linear layers become the compiled step's classes in place (llama/quant/linears.py: the same
-    weights, the same state_dict, exact eager behaviour). Float weights should be stored as they load
-    (row-major): the reduction reads each row contiguously. The one-token step at `batch_size` is ready when
+    The model should be loaded for it (`Llama.build(compile=...)`): its layers planned for a compiled step
+    (llama/quant/layer_plan.py), which its eager steps run too, and its float weights row-major, as the reductions
+    read them; a model loaded otherwise is compiled as it is. The one-token step at `batch_size` is ready when
     this returns: on the CPU loaded from its stored package (built and stored first if there is none, reported
     to `progress`), on a GPU compiled (at batch 1). Other batch sizes, and the uncached step, are made at their
     first call.

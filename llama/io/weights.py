@@ -24,7 +24,7 @@ from llama.runtime.pages import release_pages, return_free_memory
 from llama.runtime.progress import Progress, or_silent
 from llama.quant.embedding import swap_embedding
 from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, Plan, is_linear_weight, quantized_shapes
-from llama.quant.linears import choose_layer_classes
+from llama.quant.layer_plan import Kernels, LayerPlan, apply_layer_plan, describe_layers, plan_layers
 from llama.quant.quantize import check_method, describe_plan, layer_method, plan_for, quantize_weight, swap_linears
 from llama.io.sharding import split_dim
 
@@ -148,8 +148,9 @@ def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan
 
 def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, plan: Plan, rank: int, world_size: int,
                  device: torch.device, dtype: torch.dtype, compiled: bool, integer: bool = True,
-                 progress: Optional[Progress] = None) -> nn.Module:
-    """Fill `model` (built on the meta device, already split for `world_size` ranks) from `source`.
+                 have: Optional[Kernels] = None, progress: Optional[Progress] = None) -> Tuple[nn.Module, LayerPlan]:
+    """Fill `model` (built on the meta device, already split for `world_size` ranks) from `source`, and make each
+    layer the class its layer plan says (llama/quant/layer_plan.py); returns the model and the plan.
 
     Args:
         plan: weight name -> (method, group size) for the linear layers to hold quantized (from the file, or
@@ -158,9 +159,10 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
         compiled: lay the weights out for llama/compile/step.py's step rather than for eager runs. Eager CPU runs
             hold float projections with more outputs than inputs input-major (see
             Transformer.use_column_major_weights); compiled ones keep them row-major for their reductions.
-            Each linear layer then becomes the class llama/quant/linears.py's `choose_layer_classes` picks.
+            The layers are planned for the step it says.
         integer: quantized layers run on the integer kernels where they apply (llama/quant/dot_linears.py), rather
             than on the exact weight-only paths.
+        have: the kernels the plan may choose (None: what the process has loaded, `Kernels.here()`).
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
     """
     input_major = device.type == "cpu" and not compiled
@@ -217,15 +219,17 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
     # Re-packing replaces a stored weight; holding the old ones here would keep the model twice.
     stored = [(n.removesuffix(".weight"), state[n]) for n in source.stored_plan]
     state.clear()
-    layers = None  # nor the old layers, which choose_layer_classes frees one parent at a time
-    choose_layer_classes(model, compiled, integer=integer)
+    layers = None  # nor the old layers, which apply_layer_plan frees one parent at a time
+    specs, groups = describe_layers(model)
+    layer_plan = plan_layers(specs, model.dtype, model.device.type, compiled, have or Kernels.here(), integer, groups)
+    apply_layer_plan(model, layer_plan)
     layers = dict(model.named_modules())
     for name, tensor in stored:
         layer = layers.get(name)  # None: made one product with others (llama/quant/fuse.py), in memory of its own
         if layer is None or not any(_shares_memory(tensor, held) for held in layer.buffers()):
             release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
     return_free_memory()
-    return model
+    return model, layer_plan
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

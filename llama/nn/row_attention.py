@@ -11,7 +11,7 @@ rounds some elements differently by where they fall in its vectors (fused in the
 so a position rotated alone and among others could differ in the last bit (it did under torchrun, one head
 of 8 dimensions a rank). `RowExactRMSNorm` calls `torch.ops.llama_kv.rms_norm`: torch's rms_norm and the
 reduction Inductor compiles for it sum the squares in different orders, so the compiled decode step and the
-eager uncached pass normalised some rows a bit apart. `llama.quant.linears.choose_layer_classes` swaps all three in
+eager uncached pass normalised some rows a bit apart. The layer plan (llama/quant/layer_plan.py) swaps all three in
 with the integer kernels.
 """
 

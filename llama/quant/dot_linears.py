@@ -6,7 +6,7 @@
 term is an exact integer), all in the kernels' interleaved layout (llama/kernels/layout.py), in buffers that
 ask for 2 MiB pages (llama/runtime/pages.py). Each `forward` is one call of one op of llama/kernels, which rounds the
 activations to int8 blocks and multiplies with integer dot products.
-`llama.quant.linears.layer_class` decides when a layer becomes one of these; `integer_class` says whether it can.
+`llama.quant.layer_plan.plan_layers` decides when a layer becomes one of these; `dot_class` says which one can hold it.
 
 Per-channel int8 (one scale a row) and groups that are multiples of 32 are held as blocks of 32 with each
 scale repeated, which is exact; `state_dict()` gives back the on-disk layout, with the original groups.
@@ -49,14 +49,13 @@ def _filled(new: QuantizedLinear, names, pieces, step: int) -> None:
         setattr(new, name, tensor)
 
 
-class _DotLinear(QuantizedLinear):
+class DotLinear(QuantizedLinear):
     """What the classes share: re-packing a slice of rows at a time, and reading rows back."""
 
-    integer_kernels = True  # llama.quant.linears.layer_class keeps such a layer on the kernels
     _rows = kernels.ROWS  # rows interleaved in a group (unit)
 
     @classmethod
-    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "_DotLinear":
+    def from_layer(cls, layer: QuantizedLinear, dtype: torch.dtype) -> "DotLinear":
         return cls.from_layers([layer], dtype)
 
     @classmethod
@@ -68,7 +67,7 @@ class _DotLinear(QuantizedLinear):
             all(l.out_features % cls._rows == 0 for l in layers[:-1])
 
     @classmethod
-    def from_layers(cls, layers, dtype: torch.dtype) -> "_DotLinear":
+    def from_layers(cls, layers, dtype: torch.dtype) -> "DotLinear":
         """One layer of `layers`' rows one after another (llama/quant/fuse.py; `can_join` says whether it can). Each row's
         products are the ones, in the order, of its own layer: the kernels' rows are apart."""
         assert cls.can_join(layers)
@@ -102,7 +101,7 @@ class _DotLinear(QuantizedLinear):
         return self._dequantize().to(dtype)
 
 
-class Int8DotLinear(_DotLinear):
+class Int8DotLinear(DotLinear):
     """int8 blocks of 32 (w = q * scale), 8 rows interleaved; multiplied by `torch.ops.llama_kv.q8_0_linear`."""
 
     method = "int8"
@@ -129,7 +128,7 @@ class Int8DotLinear(_DotLinear):
         return torch.ops.llama_kv.dequantize_q8_0(self.weight, self.scales, self.out_features)
 
 
-class Int4DotLinear(_DotLinear):
+class Int4DotLinear(DotLinear):
     """int4 blocks of 32 (w = q * scale + min), 16 rows interleaved with their scales and minimums; multiplied by
     `torch.ops.llama_kv.q4_1_linear`."""
 
@@ -177,7 +176,7 @@ class Int4ZeroPointDotLinear(Int4DotLinear):
         return torch.ops.llama_kv.dequantize_q4_0(self.weight, self.out_features)
 
 
-def _minimums_are_minus_8_scales(layer: QuantizedLinear) -> bool:
+def minimums_are_minus_8_scales(layer: QuantizedLinear) -> bool:
     """Whether each of an int4 layer's minimums is -8 times its block's scale, exactly (a GGUF's Q4_0)."""
     scales, mins = getattr(layer, "scales", None), getattr(layer, "mins", None)
     if scales is None or mins is None:  # a layout that keeps them elsewhere: read them back a slice at a time
@@ -206,23 +205,30 @@ class Int8SixteensDotLinear(Int8DotLinear):
         return torch.ops.llama_kv.dequantize_q8_16(self.weight, self.scales, self.out_features)
 
 
-def integer_class(layer: QuantizedLinear, dtype: torch.dtype) -> Optional[Type[QuantizedLinear]]:
-    """The integer-kernel class for a quantized CPU layer with activations of `dtype`, or None where the kernels
-    do not apply: another device or dtype (float16), groups that neither 32 nor 16 divides into blocks of 32, or
-    no kernels here (`llama.kernels.unavailable_reason()` says why). int8 groups of 16 (a GGUF's Q6_K) go to
-    `Int8SixteensDotLinear`, int4 whose minimums are all -8 times their scales (Q4_0) to `Int4ZeroPointDotLinear`.
-    Building the kernels, the first time, happens here."""
-    group = layer.group_size or layer.in_features
-    sixteens = layer.method == "int8" and group == 16
-    fits = layer.in_features % kernels.QK == 0 and (group % kernels.QK == 0 or sixteens)
-    if layer.weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not fits:
-        return None
-    if not kernels.available():
+def dot_class(method: str, in_features: int, group_size: Optional[int],
+              zero_point: bool) -> Optional[Type[QuantizedLinear]]:
+    """The integer-kernel class that can hold a quantized layer of this shape, or None where none can: groups that
+    neither 32 nor 16 divides into blocks of 32. int8 groups of 16 (a GGUF's Q6_K) go to `Int8SixteensDotLinear`,
+    int4 whose minimums are all -8 times their scales (`zero_point`, Q4_0) to `Int4ZeroPointDotLinear`."""
+    group = group_size or in_features
+    sixteens = method == "int8" and group == 16
+    if in_features % kernels.QK or not (group % kernels.QK == 0 or sixteens):
         return None
     if sixteens:
         return Int8SixteensDotLinear
-    if layer.method == "int8":
+    if method == "int8":
         return Int8DotLinear
-    if isinstance(layer, Int4DotLinear):
-        return type(layer)  # already chosen
-    return Int4ZeroPointDotLinear if _minimums_are_minus_8_scales(layer) else Int4DotLinear
+    return Int4ZeroPointDotLinear if zero_point else Int4DotLinear
+
+
+def integer_class(layer: QuantizedLinear, dtype: torch.dtype) -> Optional[Type[QuantizedLinear]]:
+    """`dot_class` for one layer as this process would run it: None also for another device or dtype (float16), or
+    no kernels here (`llama.kernels.unavailable_reason()` says why; building them, the first time, happens here).
+    A layer already on the kernels stays on its class."""
+    if layer.weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if dot_class(layer.method, layer.in_features, layer.group_size, False) is None or not kernels.available():
+        return None
+    zero_point = isinstance(layer, Int4ZeroPointDotLinear) if isinstance(layer, Int4DotLinear) else \
+        layer.method == "int4" and minimums_are_minus_8_scales(layer)
+    return dot_class(layer.method, layer.in_features, layer.group_size, zero_point)

@@ -3,18 +3,19 @@
 Attention's wq, wk and wv, and the feed-forward's w1 and w3 (gate and up), each multiply the same activations.
 On the integer kernels (llama/quant/dot_linears.py) a product costs a call, a rounding of the activations and a
 wake-up of the threads whatever its size, and a small model's are small: the default model makes 210 a token.
-`fuse` holds each group as one layer of their rows one after another (`wqkv`, `w13`) and swaps the
-module's class for one whose `project` makes one product and splits it: 120 a token. The kernels compute every
-output row apart from the others, so each row gets the same bits as before (tested). `state_dict()` still gives
+`fuse` holds each group as one layer of their rows one after another (`wqkv`, `w13`), and the module becomes the
+class `FUSED` names for it, whose `project` makes one product and splits it: 120 a token (the layer plan,
+llama/quant/layer_plan.py, decides which groups become one and changes the module's class). The kernels compute
+every output row apart from the others, so each row gets the same bits as before (tested). `state_dict()` still gives
 each projection under its own name, in the on-disk layout; the model's `forward` (llama/model.py) is unchanged.
 """
 
-from typing import Callable, Tuple, Type
+from typing import Tuple, Type
 
 import torch
 from torch import nn
 
-from llama.quant.dot_linears import _DotLinear
+from llama.quant.dot_linears import DotLinear
 from llama.model import Attention, FeedForward
 
 
@@ -43,7 +44,8 @@ class FusedFeedForward(_Fused, FeedForward):
         return self._products(x)
 
 
-_FUSED = {Attention: FusedAttention, FeedForward: FusedFeedForward}
+# The modules whose projections can be one product, and the class each then becomes.
+FUSED = {Attention: FusedAttention, FeedForward: FusedFeedForward}
 
 
 def _separate_state(module: _Fused, state, prefix: str, local_metadata) -> None:
@@ -58,26 +60,14 @@ def _separate_state(module: _Fused, state, prefix: str, local_metadata) -> None:
         start += size
 
 
-def fuse(parent: nn.Module, choose: Callable[[nn.Module], Type[nn.Module]], dtype: torch.dtype) -> bool:
-    """Make `parent`'s projections one layer if it is an Attention or a FeedForward whose projections `choose` puts
-    on one integer-kernel class and whose rows split into that class's groups (every projection's but the last),
-    with no forward hooks on them (model parallelism's). Returns whether it did."""
-    fused_class = _FUSED.get(type(parent))
-    if fused_class is None:
-        return False
-    layers = [getattr(parent, name, None) for name in fused_class.names]
-    if any(layer is None or layer._forward_hooks or not hasattr(layer, "format_values") for layer in layers):
-        return False
-    classes = {choose(layer) for layer in layers}
-    if len(classes) != 1:
-        return False
-    (cls,) = classes
-    if not (isinstance(cls, type) and issubclass(cls, _DotLinear) and cls.can_join(layers)):
-        return False
+def fuse(parent: nn.Module, fused_class: Type[_Fused], cls: Type[DotLinear], dtype: torch.dtype) -> bool:
+    """Hold `parent`'s projections `fused_class.names` as one layer `fused_class.joined` of the integer-kernel class
+    `cls`, its state_dict() still giving each under its own name; returns True. The layer plan has checked that
+    `cls` can join them (`cls.can_join`), and makes `parent` a `fused_class` (llama/quant/layer_plan.py)."""
+    layers = [getattr(parent, name) for name in fused_class.names]
     joined = cls.from_layers(layers, dtype)
     for name in fused_class.names:
         delattr(parent, name)
-    parent.__class__ = fused_class
     setattr(parent, fused_class.joined, joined)
     parent.sizes = tuple(layer.out_features for layer in layers)
     parent.register_state_dict_post_hook(_separate_state)

@@ -1,33 +1,10 @@
 """The linear-layer classes a built model's projections can become: one class per weight layout.
 
-Each class holds its weight in one layout and multiplies it one way; which class each layer becomes is
-decided in one place, `layer_class` (applied by `choose_layer_classes`), from the device, the activations'
-dtype, whether the step will be compiled, whether the integer kernels are wanted, and what this torch and
-this CPU offer. `model.py` knows none of this; `quantize.py` swaps float layers for `Int8Linear` /
-`Int4Linear` (the on-disk layout of llama/quant/format.py), and loading then calls `choose_layer_classes`
-once. Every quantized class's `state_dict()` is the on-disk layout.
-
-    class               layout                                  multiplies by
-    nn.Linear           float (out, in)                         F.linear
-    ReductionLinear     float, row-major                        a multiply-and-sum Inductor turns into one
-                                                                loop, at up to REDUCTION_MAX_ROWS rows
-    RowsLinear          float32, row-major                      llama_kv.f32_linear at 2 to ROWS_MAX_ROWS
-                                                                rows (each weight row read once for all),
-                                                                ReductionLinear's reduction at one
-    Int8Linear          int8 + float16 scales                   widening the weight, then F.linear
-    Int8KernelLinear    the same, + the kernel's scales         aten._weight_int8pack_mm (per-channel, CPU)
-    Int8ReductionLinear the same as Int8Linear                  the compiled reduction, dequantizing in registers
-    Int4Linear          two values a byte, column 2j low        widening the weight, then F.linear
-    Int4KernelLinear    aten's own int4 packing, bf16 scales    aten._weight_int4pack_mm_for_cpu (bf16, CPU)
-    Int4HalvesLinear    a group's first half low, second high   the compiled reduction (GGUF's Q4 order)
-    Int8DotLinear       int8 blocks of 32, 8 rows interleaved   llama_kv.q8_0_linear: activations rounded to
-                                                                int8 blocks, integer dot products (CPU)
-    Int4DotLinear       int4 blocks of 32 + scales and minimums, llama_kv.q4_1_linear, the same with int4
-                        16 rows interleaved in one stream
-    Int4ZeroPointDotLinear the same without the minimums        llama_kv.q4_0_linear (a GGUF's Q4_0: each
-                        (each one -8 times its scale)           minimum -8 times its scale)
-    Int8SixteensDotLinear int8 blocks of 32, a scale for each   llama_kv.q8_16_linear (a GGUF's Q6_K: groups
-                        half, 8 rows interleaved                of 16), each half's sum scaled apart
+Each class holds its weight in one layout and multiplies it one way. Which class each layer becomes is decided
+once, where the model is loaded, by llama/quant/layer_plan.py, whose `LINEAR_CLASSES` lists every class with what
+it holds, how it multiplies and when it is chosen. `model.py` knows none of this; `quantize.py` swaps float layers
+for `Int8Linear` / `Int4Linear` (the on-disk layout of llama/quant/format.py). Every quantized class's
+`state_dict()` is the on-disk layout.
 
 The Dot classes (llama/quant/dot_linears.py) are what a quantized CPU model runs by default: they round the
 activations too, so they multiply by the same weights but not the same activations, within a bound the tests
@@ -39,19 +16,15 @@ docs/benchmarks.md, "Figures behind the code".
 """
 
 import math
-from typing import Dict, List, Optional, Tuple, Type
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.kernels import loaded as kernels_loaded  # loaded by the compiled step where they can be (llama/compile/step.py)
-from llama.quant.dot_linears import integer_class
 from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, pack_int4, unpack_int4
-from llama.quant import fuse
 from llama.quant.layer import QuantizedLinear
 from llama.nn.kv_cache import being_traced
-from llama.runtime.pages import return_free_memory, shared_huge_pages
 
 # Up to this many rows (batch x tokens fed), a compiled CPU step computes a linear layer as a reduction,
 # and eager float32 per-channel int8 takes the int8 kernel's exact float32 loop; above it, a matrix product
@@ -118,7 +91,8 @@ class RowsLinear(ReductionLinear):
 
 
 class Int8Linear(QuantizedLinear):
-    """int8 weights, w = weight * scale, one scale per group of columns (or per row); multiplied by widening."""
+    """int8 weights, w = weight * scale, one scale per group of columns (or per row); multiplied by widening, and in
+    a compiled CPU step at a few rows by a reduction that dequantizes each weight in registers inside one loop."""
 
     method = "int8"
 
@@ -139,6 +113,15 @@ class Int8Linear(QuantizedLinear):
 
     def format_tensors(self) -> Dict[str, torch.Tensor]:
         return {"weight": self.weight, "scales": self.scales}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _compiling_few_rows(x):
+            return super().forward(x)
+        group = self.in_features // self.n_groups
+        xg = x.reshape(*x.shape[:-1], 1, self.n_groups, group)  # (..., 1, n_groups, group)
+        wg = self.weight.reshape(self.out_features, self.n_groups, group).to(x.dtype)  # (out, n_groups, group)
+        dots = (xg * wg).sum(-1)  # (..., out, n_groups)
+        return (dots * self.scales.to(x.dtype)).sum(-1)
 
 
 class Int8KernelLinear(Int8Linear):
@@ -166,19 +149,6 @@ class Int8KernelLinear(Int8Linear):
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         self.kernel_scales = self.scales.reshape(-1).to(self.kernel_scales.dtype)  # from the scales just loaded
-
-
-class Int8ReductionLinear(Int8Linear):
-    """int8 for a compiled CPU step: at a few rows, each weight dequantized in registers inside one loop."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _compiling_few_rows(x):
-            return super().forward(x)
-        group = self.in_features // self.n_groups
-        xg = x.reshape(*x.shape[:-1], 1, self.n_groups, group)  # (..., 1, n_groups, group)
-        wg = self.weight.reshape(self.out_features, self.n_groups, group).to(x.dtype)  # (out, n_groups, group)
-        dots = (xg * wg).sum(-1)  # (..., out, n_groups)
-        return (dots * self.scales.to(x.dtype)).sum(-1)
 
 
 class Int4Linear(QuantizedLinear):
@@ -349,96 +319,3 @@ def _kernel_permutation(in_features: int) -> torch.Tensor:
             perm |= unpack_int4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)).reshape(-1).long() << (4 * digit)
         _PERMUTATIONS[in_features] = perm
     return _PERMUTATIONS[in_features]
-
-
-def layer_class(layer: nn.Module, dtype: torch.dtype, compiled: bool, kernels: bool = True,
-                integer: Optional[bool] = None) -> Type[nn.Module]:
-    """The class a linear layer should be, for activations of `dtype` on its device, eager or compiled.
-
-    Args:
-        layer: an nn.Linear, or a quantized layer of any class.
-        kernels: allow any quantized kernel, ours or torch's private ones (tests turn them off to run the
-            exact fallbacks).
-        integer: run quantized layers on the integer kernels (llama/quant/dot_linears.py) where they apply; False
-            keeps them on the exact weight-only paths; None keeps each layer on the family it is in.
-    """
-    cpu = layer.weight.device.type == "cpu"
-    if isinstance(layer, nn.Linear):
-        if not (cpu and compiled):
-            return nn.Linear
-        if kernels and kernels_loaded() and dtype == torch.float32 and layer.weight.is_contiguous():
-            return RowsLinear
-        return ReductionLinear
-    kernels = kernels and cpu
-    if integer is None:
-        integer = getattr(layer, "integer_kernels", False)
-    if kernels and integer:
-        cls = integer_class(layer, dtype)
-        if cls is not None:
-            return cls
-    if layer.method == "int8":
-        takes_kernel = kernels and HAS_INT8_KERNEL and layer.n_groups == 1
-        if takes_kernel and (dtype == torch.bfloat16 or (dtype == torch.float32 and not compiled)):
-            return Int8KernelLinear
-        return Int8ReductionLinear if cpu and compiled else Int8Linear
-    takes_kernel = (kernels and HAS_INT4_KERNEL and dtype == torch.bfloat16 and layer.group_size in INT4_KERNEL_GROUPS
-                    and layer.out_features % INT4_ROW_BLOCK == 0)
-    if takes_kernel:
-        return Int4KernelLinear
-    return Int4HalvesLinear if cpu and compiled else Int4Linear
-
-
-def choose_layer_classes(model: nn.Module, compiled: bool = False, kernels: bool = True,
-                         integer: Optional[bool] = None) -> nn.Module:
-    """Make every linear layer of a loaded model the class `layer_class` picks for it, in place; returns it.
-
-    Quantized layers are re-packed into their new class's layout (the old tensors are dropped); float ones
-    only change class. The activations' dtype is the model's (its embedding's). Forward hooks stay.
-    `kernels` and `integer` are `layer_class`'s. On the integer kernels, projections of the same input become one
-    layer (llama/quant/fuse.py) and attention becomes row-exact (llama/nn/row_attention.py).
-    """
-    dtype = model.dtype
-    linear = (nn.Linear, QuantizedLinear)
-    # The parents only: a list of every module would hold each old layer until the end, the model twice.
-    parents = [m for m in model.modules() if any(isinstance(c, linear) for c in m.children())]
-    choose = lambda layer: layer_class(layer, dtype, compiled, kernels, integer)  # noqa: E731
-    with shared_huge_pages():  # the re-packed layers under 2 MiB, side by side on 2 MiB pages
-        for parent in parents:
-            # Projections of the same input, on the integer kernels, become one product (llama/quant/fuse.py).
-            repacked = fuse.fuse(parent, choose, dtype)
-            for name in [n for n, c in parent.named_children() if isinstance(c, linear)]:
-                layer = getattr(parent, name)
-                cls = choose(layer)
-                if type(layer) is cls:
-                    continue
-                if isinstance(layer, nn.Linear):
-                    layer.__class__ = cls  # same parameters, same state_dict
-                    continue
-                new = cls.from_layer(layer, dtype)
-                new._forward_hooks.update(layer._forward_hooks)
-                setattr(parent, name, new)
-                repacked = True
-            layer = new = None
-            if repacked:
-                # Hand the old layers' freed heap memory back now: the integer kernels' new ones live in mappings
-                # of their own (2 MiB pages, llama/runtime/pages.py), which would not reuse it.
-                return_free_memory()
-    _choose_attention(model)
-    return model
-
-
-def _choose_attention(model: nn.Module) -> None:
-    """Attention, the rotary embedding and the norms go with the linear layers: row-exact (llama/nn/row_attention.py)
-    where they run on the integer kernels, whose rounding would amplify any difference between a position
-    computed alone and among others, or compiled and eager; torch's own ops otherwise."""
-    from llama.model import RMSNorm, Rotary, ScaledDotProductAttention
-    from llama.nn.row_attention import RowExactAttention, RowExactRMSNorm, RowExactRotary
-
-    integer = any(getattr(m, "integer_kernels", False) for m in model.modules())
-    for module in model.modules():  # they hold nothing: a change of class is all it takes
-        if isinstance(module, ScaledDotProductAttention):
-            module.__class__ = RowExactAttention if integer else ScaledDotProductAttention
-        elif isinstance(module, Rotary):
-            module.__class__ = RowExactRotary if integer else Rotary
-        elif isinstance(module, RMSNorm):
-            module.__class__ = RowExactRMSNorm if integer else RMSNorm

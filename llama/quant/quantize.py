@@ -5,8 +5,8 @@
 so the quantized model's `state_dict()` is exactly the on-disk layout. The norms stay float, and so does
 the embedding unless the checkpoint stores it quantized (a GGUF's blocks kept; llama/quant/embedding.py swaps
 it). `model.py` knows none of this; forward hooks (model parallelism's all-reduce and all-gather) move to
-the new layers. Loading then gives each layer the class that multiplies fastest where it runs
-(`linears.choose_layer_classes`).
+the new layers. Loading then gives each layer the class that multiplies fastest where it runs, from its layer
+plan (llama/quant/layer_plan.py).
 
 The one quantizer here serves loading (`--quantize`), `quantize_model` and `llama-convert --quantize`:
 int8 with one scale per output channel, int4 with a scale and a minimum per group of 32 columns (GGUF's
@@ -25,7 +25,8 @@ from torch import nn
 
 from llama.errors import LlamaError
 from llama.quant.layer import QuantizedLinear
-from llama.quant.linears import HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4Linear, Int8Linear, choose_layer_classes
+from llama.quant.linears import HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4Linear, Int8Linear
+from llama.quant.layer_plan import choose_layer_classes
 from llama.quant.format import (DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, METHODS, Plan, is_linear_weight,
                                 quantize_int4, quantize_int8)
 

@@ -7,7 +7,6 @@ feeding a chunk of a prompt runs on its own. Without a KV cache each row feeds i
 position 0 through the model's plain path, as `Llama.generate(kv_cache=False)` does.
 """
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -15,14 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama import kernels
 from llama.compile import aot
 from llama.compile.aot import PagedStep, Unsupported
 from llama.compile.step import RECOMPILE_LIMIT, quiet_inductor
 from llama.errors import LlamaError, first_line
 from llama.kernels.build import missing
 from llama.generation import sample
-from llama.quant.linears import choose_layer_classes
 from llama.nn.kv_cache import PagedKVCache
 from llama.model import Transformer
 from llama.runtime.progress import Progress
@@ -67,11 +64,12 @@ class Result:
 class Runner:
     """Batched forward steps of one model over a paged KV cache.
 
-    The runner takes the model over: with `compile` its layers become the compiled step's classes, and
-    eagerly its output matrix gains a row-major copy for many rows (`_ManyRowsOutput`).
+    The runner takes the model over: with `compile` its float weights become row-major, and eagerly its output
+    matrix gains a row-major copy for many rows (`_ManyRowsOutput`).
 
     Args:
-        model: the model, built and loaded.
+        model: the model, built and loaded; with `compile`, loaded with its layers planned for the compiled step
+            (`Llama.build(compile_layers=compile)`), which its eager steps run too.
         num_blocks, block_size: the KV cache's blocks; num_blocks 0 runs without a cache.
         compile: compile the decode step: True or "auto" (llama-server's default) on the CPU loads it from stored
             packages (llama/compile/aot.py's PagedStep, built first where there are none), "auto" running eagerly where
@@ -212,16 +210,16 @@ def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int,
     """The decode step (one token per row, rows at their own positions), compiled now: a function of plain tensors
     (tokens, positions, block tables). None where `auto` and it cannot be had (a note says why).
 
-    The layers become the compiled path's classes and float weights are laid out row-major, as
-    `Llama.build(compile=True)` does for its step. On the CPU the step comes from stored packages (llama/compile/aot.py),
-    one for a single row and one for each range of batch sizes up to `max_rows`, each serving every table width
+    Float weights are laid out row-major, as `Llama.build(compile=True)` does for its step; the layers keep the
+    classes they were loaded with (`Llama.build(compile_layers=...)` plans them for this step). On the CPU the step
+    comes from stored packages (llama/compile/aot.py), one for a single row and one for each range of batch sizes up to `max_rows`, each serving every table width
     and pool size; elsewhere from torch.compile (not with `auto`), with batch size and table width symbolic so
     that no step met while serving compiles anything again (tested).
 
     Raises:
         LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler), and not `auto`.
     """
-    ahead = model.device.type == "cpu" and os.environ.get("LLAMA_COMPILE_AOT", "1") != "0" and aot.SUPPORTED
+    ahead = aot.used(model.device)
     if auto and not ahead:
         if model.device.type == "cpu" and not aot.SUPPORTED:
             notes.append(aot.UNSUPPORTED_NOTE)
@@ -229,9 +227,6 @@ def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int,
     for module in model.modules():
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
             module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
-    if model.device.type == "cpu" and model.dtype == torch.float32:
-        kernels.load(progress)  # few-row products on llama_kv.f32_linear, as llama/compile/step.py's step
-    choose_layer_classes(model, compiled=True)
     if ahead:
         step = PagedStep(model, cache, progress)
         try:

@@ -407,7 +407,7 @@ def test_int8_groups_of_16_run_on_the_kernel_with_a_scale_for_each_half(monkeypa
 def test_a_model_in_groups_of_16_keeps_the_cache_switch_and_its_classes(gqa_ckpt):
     """Choosing the layers again (as the compiled step does after loading) keeps them, and cached and uncached runs
     give the same tokens."""
-    from llama.quant.linears import choose_layer_classes
+    from llama.quant.layer_plan import choose_layer_classes
 
     llama = build(gqa_ckpt)
     quantize_model(llama.model, "int8", group_size=16)
@@ -444,7 +444,7 @@ def test_quantized_cpu_models_run_on_the_kernels_unless_asked_for_the_exact_path
 
 def test_what_the_kernels_cannot_hold_stays_on_the_exact_paths(gqa_ckpt):
     """float16 activations, and int8 groups of 16 (what a GGUF's Q6_K becomes) among them."""
-    from llama.quant.linears import layer_class
+    from llama.quant.layer_plan import layer_class
     sixteens = _layer("int8", 64, 64, 16, torch.Generator().manual_seed(0))
     assert layer_class(sixteens, torch.float16, compiled=False) not in (Int8DotLinear, Int4DotLinear, Int8SixteensDotLinear)
     assert layer_class(sixteens, torch.float32, compiled=False, integer=True) is Int8SixteensDotLinear

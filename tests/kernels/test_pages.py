@@ -67,10 +67,10 @@ def test_small_buffers_share_a_mapping_with_2_mib_pages_while_asked_to():
 @pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
 def test_a_quantized_models_small_layers_are_on_2_mib_pages(gqa_ckpt):
     from helpers import build
-    from llama.quant.dot_linears import _DotLinear
+    from llama.quant.dot_linears import DotLinear
 
     llama = build(gqa_ckpt, quantize="int8")
-    layers = [m for m in llama.model.modules() if isinstance(m, _DotLinear)]
+    layers = [m for m in llama.model.modules() if isinstance(m, DotLinear)]
     assert layers and all(m.weight.nbytes < HUGE_PAGE for m in layers)
     for layer in layers:
         assert "hg" in _mapping(layer.weight.data_ptr())["VmFlags"].split()

@@ -22,7 +22,6 @@ from llama.errors import LlamaError
 from llama.generation import Llama
 from llama.quant.linears import (
     HAS_INT4_KERNEL, HAS_INT8_KERNEL, Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
-    Int8ReductionLinear,
 )
 from llama.quant.quantize import quantize_model, slow_path_note
 from llama.io.random_weights import random_state_dict
@@ -269,7 +268,7 @@ def test_compiled_bf16_step_calls_the_kernels_and_stays_within_bf16_of_float32(g
     if method == "int4":
         assert type(layer) is (Int4KernelLinear if HAS_INT4_KERNEL else Int4HalvesLinear)
     else:
-        assert type(layer) is (Int8KernelLinear if HAS_INT8_KERNEL else Int8ReductionLinear)
+        assert type(layer) is (Int8KernelLinear if HAS_INT8_KERNEL else Int8Linear)
     reference = float_model_of(compiled, gqa_ckpt)
     tokens = torch.randint(0, reference.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():

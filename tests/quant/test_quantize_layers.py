@@ -18,7 +18,8 @@ import torch
 
 from helpers import build, dequantize_stored
 from llama.quant import format as qf
-from llama.quant.linears import HAS_INT4_KERNEL, Int4HalvesLinear, Int4KernelLinear, Int4Linear, choose_layer_classes
+from llama.quant.layer_plan import choose_layer_classes
+from llama.quant.linears import HAS_INT4_KERNEL, Int4HalvesLinear, Int4KernelLinear, Int4Linear
 from llama.quant.quantize import quantize_weight
 
 METHODS = ["int8", "int4"]

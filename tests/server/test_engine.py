@@ -147,7 +147,9 @@ def test_the_block_size_is_part_of_a_stored_server_steps_key(gqa_ckpt):
 
 
 def _serve_compiled(gqa_ckpt, stored):
-    llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN)  # its own model: compiling changes the layers' classes
+    # Its own model, its layers planned for the compiled step as llama-server loads them (the runner compiles the
+    # classes it is given): the packages it stores are the ones tests/server/test_server.py's default server loads.
+    llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, compile_layers=True)
     scheduler = Scheduler(64, 4, 8, 16)
     runner = Runner(llama.model, 64, 4, compile=True, max_rows=8)
     assert isinstance(runner.compiled, PagedStep) == stored
