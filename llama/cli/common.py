@@ -130,35 +130,39 @@ def checked_types(main: Callable) -> Callable:
     return checked
 
 
-def exit_now() -> NoReturn:
-    """End a command that has done its work at once, status 0 (1 if its output cannot be flushed).
+def exit_now(status: int = 0, store_builds: bool = True) -> NoReturn:
+    """End a command at once with `status` (1 instead of 0 if its output cannot be flushed).
 
     Python's teardown of a process that imported torch takes half a second (`python -c "import torch"` spends
     it too) and does nothing a finished command needs: every file is written under a temporary name, closed
     and renamed before `main` returns, and the stored compiled step removes what it unpacked once `main` lets
-    go of the model. Under torchrun the normal teardown runs, to leave the process group as it should.
+    go of the model. It would also abort the process ("terminate called without an active exception") while a
+    compiled step is still being built on a background thread. `store_builds` waits for those builds first, so
+    that later runs load them (a command's success); without it they are left unbuilt (an interruption, an
+    error, a server asked to stop). Under torchrun the normal teardown runs, to leave the process group as it
+    should (no step is built there).
     """
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        sys.exit(0)
-    status = 0
+        sys.exit(status)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a reader that went away (`| head`), or a closed stream
-            status = EXIT_ERROR
+            status = status or EXIT_ERROR
     compile_module = sys.modules.get("llama.compile.step")
-    if compile_module is not None:  # a first run's stored step, built while it answered, is stored for the next
+    if compile_module is not None and store_builds:  # a first run's stored step, built while it answered
         compile_module.finish_background_builds()
         sys.stderr.flush()
     os._exit(status)
 
 
-def run(main: Callable, name: str, raw_string_flags: Sequence[str] = (), quick_exit: bool = True) -> None:
+def run(main: Callable, name: str, raw_string_flags: Sequence[str] = (), store_builds: bool = True) -> None:
     """Run a fire-based `main`; mistakes become `error: ...` on stderr and exit 1, Ctrl-C exits 130.
 
-    `--debug` anywhere on the command line (or LLAMA_DEBUG=1) shows the full traceback instead. When `main`
-    returns, the process ends at once (`exit_now`) unless `quick_exit` is False.
+    `--debug` anywhere on the command line (or LLAMA_DEBUG=1) shows the full traceback instead. The process
+    ends at once (`exit_now`), after storing the compiled steps still being built if `main` returned and
+    `store_builds`.
     """
     debug = "--debug" in sys.argv or os.environ.get("LLAMA_DEBUG") == "1"
     argv = quote_raw_strings([a for a in sys.argv[1:] if a != "--debug"], raw_string_flags)
@@ -169,15 +173,15 @@ def run(main: Callable, name: str, raw_string_flags: Sequence[str] = (), quick_e
     gc.freeze()
     try:
         fire.Fire(checked_types(main), command=argv, name=name)
-        if quick_exit:
-            exit_now()
+        exit_now(store_builds=store_builds)
     except KeyboardInterrupt:
         sys.stdout.flush()
         print("\ninterrupted", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        exit_now(EXIT_INTERRUPTED, store_builds=False)
     except (LlamaError, OSError) as e:
         if debug:
             traceback.print_exc()
-        if isinstance(e, LlamaError) or not e.strerror:
-            fail(str(e))
-        fail(f"{e.strerror}: {e.filename}" if e.filename else e.strerror)
+        message = str(e) if isinstance(e, LlamaError) or not e.strerror else \
+            f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+        print(f"error: {as_flags(message)}", file=sys.stderr)
+        exit_now(EXIT_ERROR, store_builds=False)

@@ -178,7 +178,7 @@ def cli() -> None:
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
         os.execv(sys.executable, [sys.executable, "-m", "llama.cli.server", *sys.argv[1:]])
-    run(main, "llama-server", quick_exit=False)  # no one waits on a stop: its threads end as they will
+    run(main, "llama-server", store_builds=False)  # a stop is a stop: a package still being built is built next time
 
 
 if __name__ == "__main__":

@@ -245,6 +245,26 @@ def test_the_default_compiled_step_serves_concurrent_clients_their_solo_answers(
         assert s.stop() == 0, "\n".join(s.lines[-20:])
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler")
+def test_a_server_stopped_while_its_step_is_built_stops_cleanly(ckpt, tmp_path):
+    """The first start builds the stored packages on a background thread; asked to stop before they are done, the
+    server stops at once with status 0 (Python's teardown under a running build aborted the process), leaving
+    nothing half-written: the next start builds them again and serves."""
+    env = {"LLAMA_COMPILE": "auto", "OMP_NUM_THREADS": "2", "LLAMA_COMPILED_DIR": str(tmp_path)}
+    s = Server(ckpt, "--api-key", KEY, "--parallel", "2", env=env)
+    (ready,) = [line for line in s.lines if "listening on " in line]
+    assert "in the background" in ready, "\n".join(s.lines)
+    assert s.stop() == 0, "\n".join(s.lines[-20:])
+    assert s.lines[-1] == "llama-server: stopped", "\n".join(s.lines[-20:])
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.suffix == ".pt2"]  # the build was cut short
+    again = Server(ckpt, "--api-key", KEY, "--parallel", "2", env=env)
+    try:
+        assert ask_question(again, 0, 8)[1]
+    finally:
+        assert again.stop() == 0, "\n".join(again.lines[-20:])
+
+
 def test_a_client_that_disconnects_frees_its_sequence(server):
     before = server.metrics()
     with httpx.stream("POST", server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
