@@ -27,11 +27,11 @@ from llama.model import Transformer
 from llama.nn.parallel import parallelize
 from llama.nn.session import Session
 from llama.runtime.progress import Progress
-from llama.quant.format import is_linear_weight
+from llama.quant.format import is_linear_weight, read_record
 from llama.quant.dot_linears import DotLinear
 from llama.quant.layer import QuantizedLinear
 from llama.quant.layer_plan import Kernels, LayerPlan
-from llama.quant.quantize import check_quant_kernels, describe_plan, slow_path_note
+from llama.quant.quantize import check_method, check_quant_kernels, describe_plan, plan_for, slow_path_note
 from llama.tokenizer import Tokenizer
 from llama.io.weights import choose_dtype, load_weights, resolve_plan
 
@@ -249,6 +249,10 @@ class Llama:
             model = Transformer(args)
         if world_size > 1:
             model = parallelize(model, world_size)
+        if dtype_given and read_record(ckpt_dir) is None:
+            # Refuse a model that cannot fit before even opening its files.
+            choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype,
+                         explicit=True, device=device, world_size=world_size, block_scales=block_scales)
         reader = CheckpointReader(ckpt_dir)  # memory-mapped: nothing read yet
         reader.check(args)
         plan = resolve_plan(model, reader, quantize)
