@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llama.kernels.build import missing
+from llama.runtime import pages
 from llama.runtime.pages import HUGE_PAGE, huge_empty, shared_huge_pages
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/smaps are Linux's")
@@ -41,10 +42,13 @@ def test_a_big_buffer_is_private_aligned_and_asks_for_2_mib_pages():
     assert (t == 1.5).all()
 
 
-def test_a_small_buffer_is_ordinary_memory():
+def test_a_small_buffer_is_ordinary_memory(monkeypatch):
+    """Under 2 MiB and outside shared_huge_pages: torch's own allocation of exactly its bytes, no mapping of ours.
+    (Not its mapping's flags: other code in the process, the compiled steps' runtime among it, may have advised the
+    heap around it to use 2 MiB pages, as the suite's order once showed.)"""
+    monkeypatch.setattr(pages, "_huge_mapping", lambda nbytes: pytest.fail(f"a buffer of {nbytes} bytes was mapped"))
     t = huge_empty((100, 3), torch.float32)
     assert t.shape == (100, 3) and t.untyped_storage().nbytes() == 1200
-    assert "hg" not in _mapping(t.data_ptr())["VmFlags"].split()
 
 
 @linux
