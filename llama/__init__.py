@@ -1,6 +1,6 @@
 """LLaMA-2 inference with a switchable KV cache; imports as Meta's `llama` package does."""
 
-from llama.chat.dialog import Dialog
+from llama.dialog import Dialog
 from llama.errors import LlamaError
 from llama.generation import Llama
 from llama.model import ModelArgs, Transformer

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, List, Optional, Set, Tuple, TypedDict, Un
 
 import torch
 
-from llama.chat.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
+from llama.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
 from llama.compile.step import CompileFailed, CompiledStep, compile_step, default_compile, loads_compiled
 from llama.convert.cache import resolve_checkpoint
@@ -22,7 +22,7 @@ from llama.runtime.devices import check_fits, local_device, resolve_device, reso
 from llama.runtime.distributed import init_distributed
 from llama.errors import LlamaError
 from llama import kernels
-from llama.nn.kv_cache import KVCache
+from llama.kv_cache import KVCache
 from llama.model import Transformer
 from llama.nn.parallel import parallelize
 from llama.nn.session import Session

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.nn.kv_cache import KVCache, PagedKVCache, being_traced
+from llama.kv_cache import KVCache, PagedKVCache, being_traced
 
 
 @dataclass

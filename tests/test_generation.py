@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import build, first_stop
-from llama.chat.dialog import B_INST, E_INST, UNSAFE_ERROR, encode_dialog_llama2
+from llama.dialog import B_INST, E_INST, UNSAFE_ERROR, encode_dialog_llama2
 from llama.errors import LlamaError
 from llama.generation import sample_top_p
 

@@ -6,7 +6,7 @@ import torch
 from helpers import tiny_args
 from llama.io.checkpoint import model_args
 from llama.io.random_weights import PRESETS, random_state_dict
-from llama.nn.kv_cache import KVCache
+from llama.kv_cache import KVCache
 from llama.model import Transformer, apply_rotary_emb, rope_cis
 from llama.nn.row_attention import RowExactRotary
 from reference import reference_logits

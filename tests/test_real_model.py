@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.chat.dialog import encode_dialog
+from llama.dialog import encode_dialog
 from llama.convert.fetch import default_model_dir, default_model_gguf
 
 transformers = pytest.importorskip("transformers")

@@ -1,1 +1,1 @@
-"""Chat: Meta's dialog format and a conversation that keeps its KV cache between turns."""
+"""Chat: a conversation that keeps its KV cache between turns."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
-from llama.chat.dialog import Dialog, Message
+from llama.dialog import Dialog, Message
 from llama.errors import LlamaError
 from llama.generation import Llama, StepCallback
 from llama.io.identity import describe_model, model_identity

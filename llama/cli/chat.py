@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from llama.chat.dialog import has_special_tags
+from llama.dialog import has_special_tags
 from llama.cli.common import as_flags, fail, run
 from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag

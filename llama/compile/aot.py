@@ -36,7 +36,7 @@ from torch import nn
 from llama import kernels
 from llama.errors import first_line
 from llama.runtime.files import read_json_object, sha256_file, write_atomically
-from llama.nn.kv_cache import KVCache, PagedKVCache
+from llama.kv_cache import KVCache, PagedKVCache
 from llama.model import Transformer
 from llama.runtime.paths import home_dir
 from llama.runtime.progress import Progress, or_silent, step
@@ -76,7 +76,7 @@ class _DecodeStep(nn.Module):
 
 class _PagedDecodeStep(nn.Module):
     """What the server's step exports: one token per row at its own position, read and written through the rows'
-    block tables in a paged pool given as tensors (llama/nn/kv_cache.py's PagedKVCache)."""
+    block tables in a paged pool given as tensors (llama/kv_cache.py's PagedKVCache)."""
 
     def __init__(self, model: Transformer, block_size: int):
         super().__init__()
@@ -430,7 +430,7 @@ _PAGED_RANGES = ((1, 1), (2, 16), (17, 1 << 16))
 
 class PagedStep(_StoredSteps):
     """The server's decode step (one token per row, each at its own position, through block tables into a paged
-    pool, llama/nn/kv_cache.py) through stored packages, one per range of batch sizes, each serving any block-table
+    pool, llama/kv_cache.py) through stored packages, one per range of batch sizes, each serving any block-table
     width and pool size. Called with (tokens, input_pos, tables); `pool` is the PagedKVCache it reads and writes.
     """
 

@@ -20,7 +20,7 @@ from llama.compile import aot
 from llama.compile.aot import AheadOfTimeStep, Unsupported, quiet_inductor
 from llama.kernels import build
 from llama.errors import LlamaError, first_line
-from llama.nn.kv_cache import KVCache
+from llama.kv_cache import KVCache
 from llama.model import Transformer
 from llama.runtime.progress import Progress, or_silent, step as progress_step
 

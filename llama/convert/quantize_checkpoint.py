@@ -17,7 +17,7 @@ from llama.io.checkpoint import CheckpointReader, check_dest, model_args, read_p
 from llama.errors import LlamaError
 from llama.runtime.progress import Progress, or_silent
 from llama.quant.quantize import check_method, group_size_for, layer_method, quantize_weight
-from llama.io.sharding import split_dim
+from llama.nn.sharding import split_dim
 
 
 def quantize_tensor(w: torch.Tensor, method: str, name: str = "a weight") -> Dict[str, torch.Tensor]:

@@ -1,1 +1,1 @@
-"""Weights on disk and into memory: checkpoints, their shards and tensor files, loading, model identity, prompt caches."""
+"""Weights on disk and into memory: checkpoints and tensor files, loading, model identity, prompt caches."""

@@ -22,7 +22,7 @@ from llama.errors import LlamaError, first_line
 from llama.runtime.files import read_json_object
 from llama.model import ModelArgs, Transformer
 from llama.runtime.progress import Progress, or_silent
-from llama.io.sharding import shard_state_dict, split_dim
+from llama.nn.sharding import shard_state_dict, split_dim
 from llama.io.tensor_file import TensorFileWriter, TensorSpec
 
 # Meta's checkpoints carry the rotary frequencies as a tensor; the model recomputes them, so it is dropped.

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from llama.chat.dialog import Message
+from llama.dialog import Message
 from llama.errors import LlamaError
 from llama.runtime.files import write_atomically
 from llama.nn.session import Session

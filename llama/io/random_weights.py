@@ -15,7 +15,7 @@ from llama.io.checkpoint import (
 )
 from llama.model import ModelArgs
 from llama.runtime.progress import Progress, or_silent
-from llama.io.sharding import shard_state_dict
+from llama.nn.sharding import shard_state_dict
 from llama.io.tensor_file import TensorFileWriter
 
 # The params.json of Meta's LLaMA-2 releases (vocab_size -1: 32,000 from the tokenizer), and a tiny shape

@@ -26,7 +26,7 @@ from llama.quant.embedding import swap_embedding
 from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, Plan, is_linear_weight, quantized_shapes
 from llama.quant.layer_plan import Kernels, LayerPlan, apply_layer_plan, describe_layers, plan_layers
 from llama.quant.quantize import check_method, describe_plan, layer_method, plan_for, quantize_weight, swap_linears
-from llama.io.sharding import split_dim
+from llama.nn.sharding import split_dim
 
 # Scratch for quantizing one weight (llama/quant/quantize.py works 2**22 elements at a time, float32, a few copies).
 _QUANTIZE_SCRATCH = 8 * 4 * (1 << 22)

@@ -1,2 +1,2 @@
-"""The model's building blocks beside llama/model.py: the KV caches, a session that keeps one with its tokens,
-the row-exact attention, and the tensor-parallel transform."""
+"""The model's building blocks beside llama/model.py: a session that keeps a KV cache with its tokens,
+the row-exact attention, the tensor-parallel transform, and how Meta's shards split the weights."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from llama.errors import LlamaError
 from llama.model import ModelArgs, Transformer
-from llama.io.sharding import split_dim
+from llama.nn.sharding import split_dim
 
 
 def check_divisible(args: ModelArgs, world_size: int) -> None:

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from llama.runtime.devices import check_fits
-from llama.nn.kv_cache import KVCache
+from llama.kv_cache import KVCache
 from llama.model import Transformer
 
 

@@ -11,7 +11,7 @@ reads one row of it per sequence.
 
 `swap_embedding` puts one in place of a built model's `nn.Embedding` at load time, as llama/quant/quantize.py swaps
 the linear layers; `model.py` knows nothing of it. Under model parallelism each rank holds a slice of every
-row's columns, as Meta splits the embedding's width (llama/io/sharding.py): a whole number of groups, with their
+row's columns, as Meta splits the embedding's width (llama/nn/sharding.py): a whole number of groups, with their
 scales, since the loader refuses a checkpoint whose groups do not divide among the ranks. The slice's rows are
 dequantized on each rank and gathered by the all-gather hook, which moves to the new module.
 """

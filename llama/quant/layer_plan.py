@@ -11,7 +11,7 @@ module's class is changed.
 
 A model whose decode step will be compiled is planned for it when it loads (`compiled`), and its eager steps
 (the prompt, and every step while the stored step is still being built in the background) run on the same
-classes: a compiled class's own path runs only while the step is traced (`llama.nn.kv_cache.being_traced`), and
+classes: a compiled class's own path runs only while the step is traced (`llama.kv_cache.being_traced`), and
 eagerly it is the plain product of the same weights, or the kernel it names. One plan therefore serves both
 steps, and the eager and stored steps of the default mode multiply with the same layers.
 """

@@ -24,7 +24,7 @@ from torch import nn
 
 from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, SCALE_DTYPE, pack_int4, unpack_int4
 from llama.quant.layer import QuantizedLinear
-from llama.nn.kv_cache import being_traced
+from llama.kv_cache import being_traced
 
 # Up to this many rows (batch x tokens fed), a compiled CPU step computes a linear layer as a reduction,
 # and eager float32 per-channel int8 takes the int8 kernel's exact float32 loop; above it, a matrix product

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from llama.chat.dialog import encode_dialog, has_special_tags
+from llama.dialog import encode_dialog, has_special_tags
 from llama.errors import LlamaError
 from llama.server.engine import TokenLogprob
 from llama.server.text import token_bytes, token_text

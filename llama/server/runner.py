@@ -20,7 +20,7 @@ from llama.compile.step import RECOMPILE_LIMIT, quiet_inductor
 from llama.errors import LlamaError, first_line
 from llama.kernels.build import missing
 from llama.generation import sample
-from llama.nn.kv_cache import PagedKVCache
+from llama.kv_cache import PagedKVCache
 from llama.model import Transformer
 from llama.runtime.progress import Progress
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import build
-from llama.nn.kv_cache import KVCache, PagedKVCache
+from llama.kv_cache import KVCache, PagedKVCache
 from llama.model import rope_cis
 
 
