@@ -176,20 +176,25 @@ class Unsupported(Exception):
 def _shadow(module: nn.Module, memo: Optional[Dict[int, torch.Tensor]] = None) -> nn.Module:
     """A copy of `module` for torch.export to trace: the same classes, names, shapes, strides and dtypes, its tensors
     new and never written (memory never touched costs nothing). Export swaps a module's tensors for its own while it
-    traces, which the model itself, computing eager steps on another thread meanwhile, must not see."""
+    traces, which the model itself, computing eager steps on another thread meanwhile, must not see.
+
+    Every tensor is a parameter in the copy, buffers too: Inductor clones each buffer the step reads (in case the
+    step writes it, which this one never does), which for a quantized model's buffers of weights would be a copy
+    of the whole model in memory while the package is built. The package names its tensors as the model does, so
+    the model's own parameters and buffers are handed to it at load all the same."""
     memo = {} if memo is None else memo
 
     def twin(t):
         if t is None:
             return None
         if id(t) not in memo:  # tied tensors stay tied
-            new = torch.empty_like(t)
-            memo[id(t)] = nn.Parameter(new, requires_grad=False) if isinstance(t, nn.Parameter) else new
+            memo[id(t)] = nn.Parameter(torch.empty_like(t), requires_grad=False)
         return memo[id(t)]
 
     clone = copy.copy(module)
-    clone._parameters = {name: twin(t) for name, t in module._parameters.items()}
-    clone._buffers = {name: twin(t) for name, t in module._buffers.items()}
+    clone._parameters = {name: twin(t) for name, t in (*module._parameters.items(), *module._buffers.items())}
+    clone._buffers = {}
+    clone._non_persistent_buffers_set = set()
     clone._modules = {name: None if m is None else _shadow(m, memo) for name, m in module._modules.items()}
     return clone
 
