@@ -3,6 +3,7 @@
 Inductor needs a C++ compiler on the CPU; without one these tests skip (as the CUDA tests do without a GPU).
 """
 
+import importlib
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import build, run
+from helpers import build, run, write_tiny
 from llama.kernels.build import missing
 from llama.quant.linears import ReductionLinear, RowsLinear
 
@@ -285,3 +286,62 @@ def test_the_default_generates_at_once_and_switches_to_the_stored_step_with_the_
     else:
         torch.testing.assert_close(torch.tensor(lp_got), torch.tensor(lp_want), rtol=0, atol=1e-4)
     assert llama.compiled_step.describe_origin() == "ahead of time, built and stored" and len(list(tmp_path.iterdir())) == 1
+
+
+@pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_step_stored_by_a_first_run_is_loaded_by_the_second(tmp_path, quantize):
+    """The first run of a bfloat16 checkpoint in Meta's layout, quantized as it loads, stores the step; the second,
+    with the same flags, compiles nothing and answers the same."""
+    ckpt, _ = write_tiny(tmp_path / "ckpt", dtype=torch.bfloat16)
+    packages = tmp_path / "compiled"
+    runs = [_generate_compiled(ckpt, packages, "--quantize", quantize) for _ in range(2)]
+    assert "storing the compiled decode step for later runs" in runs[0].stderr
+    assert "compiled:        yes (ahead of time, loaded from disk), in " in runs[1].stderr
+    assert BUILDING not in runs[1].stderr and "storing the compiled" not in runs[1].stderr, runs[1].stderr
+    assert runs[1].stdout == runs[0].stdout and len(list(packages.iterdir())) == 1
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
+def test_building_the_stored_step_copies_no_weights(tmp_path, monkeypatch):
+    """The package holds no weights, so building it must not hold a copy of them: the process's resident memory,
+    sampled while one layer of LLaMA-2 7B's width in int8 (about 280 MiB of weights) is compiled, grows by less
+    than half the weights' size (a copy made it grow by all of it: Inductor clones every buffer a step reads, and
+    the integer layers keep their weights as buffers; the step is exported from a copy holding every tensor as a
+    parameter)."""
+    import threading
+    import time
+
+    from llama.compile.aot import AheadOfTimeStep
+
+    ckpt, _ = write_tiny(tmp_path / "ckpt", dim=4096, n_layers=1, n_heads=32, n_kv_heads=32, multiple_of=256,
+                         dtype=torch.bfloat16)
+    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path / "compiled"))
+    llama = build(ckpt, quantize="int8", compile=False, compile_layers=True)
+    weights = sum(t.nbytes for t in [*llama.model.parameters(), *llama.model.buffers()])
+    assert weights > 200 * 2**20
+    importlib.import_module("torch._inductor")  # imported by the build: its own memory is not the question
+
+    step = AheadOfTimeStep(llama.model)
+    step._example(1)  # the example inputs' cache, allocated before the baseline
+    before, peak, done = _resident_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _resident_bytes())
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        step.runner(1)
+    finally:
+        done.set()
+        sampler.join()
+    assert step.built, "the package was loaded, not built"
+    assert peak[0] - before < weights / 2, f"{(peak[0] - before) / 2**20:.0f} MiB more while building"
