@@ -16,7 +16,7 @@ import torch
 
 from llama.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile.step import CompileFailed, CompiledStep, compile_step, default_compile, loads_compiled
+from llama.compile.step import CompileFailed, CompiledStep, compile_step, default_compile, eager_note, loads_compiled
 from llama.convert.cache import resolve_checkpoint
 from llama.runtime.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.runtime.distributed import init_distributed
@@ -281,8 +281,7 @@ class Llama:
             except CompileFailed as e:
                 if not auto:
                     raise
-                info.notes.append(f"the decode step could not be compiled ({e.reason}); the decode step runs eagerly, "
-                                  "about 3 times slower (compile=False hides this note)")
+                info.notes.append(eager_note(e.reason))
             else:
                 info.notes += llama.compiled_step.notes
                 if auto and llama.compiled_step.ahead_of_time is None:  # nothing stored could serve this model

@@ -1,4 +1,4 @@
-"""The compiled generation step (`compile=True`, `--compile`): compilation applied to a built model from outside.
+"""The compiled decode steps, `Llama`'s and llama-server's: compilation applied to a built model from outside.
 
 Only the steps after the prompt are compiled (one token with the KV cache, the growing prefix without it);
 the prompt runs eagerly, so a new prompt length never costs a compilation. On the CPU the one-token step
@@ -7,20 +7,25 @@ package stored under $LLAMA_HOME (llama/compile/aot.py): built once per model sh
 milliseconds by every later process. The rest (the uncached step, and every step on a GPU) goes through
 torch.compile, with positions, the KV cache's length and (without the cache) the prefix length compiled as
 symbolic sizes, so one compilation serves every step of every later call with the same batch size.
+
+llama-server's step (`compile_paged_step`) is the one-token step of many rows at their own positions over the
+paged KV cache, from stored packages on the CPU as well. Both follow one rule: "auto" (the default) takes the
+stored step where it can be had and runs eagerly otherwise, with a note saying why; True compiles or fails.
 """
 
 import atexit
 import os
 import re
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
+from torch import nn
 
 from llama.compile import aot
-from llama.compile.aot import AheadOfTimeStep, Unsupported, quiet_inductor
+from llama.compile.aot import AheadOfTimeStep, PagedStep, Unsupported, quiet_inductor
 from llama.kernels import build
 from llama.errors import LlamaError, first_line
-from llama.kv_cache import KVCache
+from llama.kv_cache import KVCache, PagedKVCache
 from llama.model import Transformer
 from llama.runtime.progress import Progress, or_silent, step as progress_step
 
@@ -60,6 +65,18 @@ def loads_compiled(compile: bool, compile_layers: Union[bool, str, None], device
     if compile_layers is None:
         return bool(compile)
     return world_size == 1 and (compile_layers is True or (compile_layers == "auto" and aot.used(device)))
+
+
+def eager_note(reason: str) -> str:
+    """The note of the default ("auto") where the step could not be compiled."""
+    return (f"the decode step could not be compiled ({reason}); the decode step runs eagerly, about 3 times slower "
+            "(compile=False hides this note)")
+
+
+def _no_compiler() -> Optional[str]:
+    """Why no package can be built here (no C++ compiler), in a few words; None where one can."""
+    reason = build.missing()
+    return None if reason is None else f"the stored step is built with a C++ compiler: {reason}"
 
 
 class CompileFailed(LlamaError):
@@ -186,9 +203,9 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
                 if not eager_otherwise:
                     step.ahead_of_time.runner(batch_size)  # loaded from its package, or built and stored first
                     return step
-                reason = build.missing() if not step.ahead_of_time.stored(batch_size) else None
+                reason = _no_compiler() if not step.ahead_of_time.stored(batch_size) else None
                 if reason is not None:  # said now, not when a build on the background thread fails
-                    raise CompileFailed(f"the stored step is built with a C++ compiler: {reason}")
+                    raise CompileFailed(reason)
                 if step.ahead_of_time.ready(batch_size) is None:  # built in the background; loaded now otherwise
                     _unfinished.append((step, progress))
                 return step
@@ -209,3 +226,79 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
         hint = " (or try LLAMA_COMPILE_CPP_WRAPPER=0)" if step._cpp_wrapper and step.ahead_of_time is None else ""
         raise CompileFailed(reason, hint) from e
     return step
+
+
+# Batch sizes at which the compiled step is built before serving: one graph each for 1 row, 2-4 rows and 5 or
+# more (the compiled linear layers compute up to 4 rows as reductions, more with a matrix product), each with a
+# block-table width unlike its batch size (two dimensions first seen at one size would share one symbol, and
+# the first step where they differ would compile again: minutes on a CPU).
+_WARM_UP = ((1, 3), (2, 3), (5, 4))
+
+
+def compile_paged_step(model: Transformer, cache: PagedKVCache, mode: Union[bool, str] = "auto", max_rows: int = 16,
+                       progress: Optional[Progress] = None) -> Tuple[Optional[Callable], List[str]]:
+    """llama-server's decode step (one token per row, rows at their own positions), compiled now: a function of plain
+    tensors (tokens, positions, block tables), and the notes the user should hear. With `mode` "auto" the step is
+    None where it cannot be had, and a note says why; with True it is compiled or this raises.
+
+    Float weights are laid out row-major, as `Llama.build(compile=True)` does for its step; the layers keep the
+    classes they were loaded with (`Llama.build(compile_layers=...)` plans them for this step). On the CPU the step
+    comes from stored packages (llama/compile/aot.py), one for a single row and one for each range of batch sizes up
+    to `max_rows`, each serving every table width and pool size; elsewhere from torch.compile (not with "auto"),
+    with batch size and table width symbolic so that no step met while serving compiles anything again (tested).
+
+    Raises:
+        LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler), and `mode` is True.
+    """
+    auto, notes = mode == "auto", []
+    ahead = aot.used(model.device)
+    if auto and not ahead:
+        if model.device.type == "cpu" and not aot.SUPPORTED:
+            notes.append(aot.UNSUPPORTED_NOTE)
+        return None, notes  # the eager step, as the commands' default here (on a GPU, or an older torch)
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
+            module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
+    if ahead:
+        step = PagedStep(model, cache, progress)
+        try:
+            if auto and _no_compiler() is not None:
+                raise RuntimeError(_no_compiler())
+            for size in sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)}):
+                # The default serves at once: packages not stored yet are built in the background, and each runs
+                # from the first step after it is ready. compile=True waits for them.
+                step.ready(size) if auto else step.runner(size)
+        except Unsupported as e:
+            if not auto:
+                raise LlamaError(f"compile=True failed: the server's step cannot be compiled ahead of time ({e})") from e
+            return None, notes
+        except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
+            reason = first_line(e)
+            if not auto:
+                raise LlamaError(f"compile=True failed: the server's decode step could not be compiled ({reason}); "
+                                 "run without compile=True") from e
+            notes.append(eager_note(reason))
+            return None, notes
+        notes.extend(step.notes)
+        return step, notes
+
+    def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        return model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
+
+    dynamo_compiled = torch.compile(decode, dynamic=True, fullgraph=True)
+
+    def compiled(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # one limit for the whole process
+            return dynamo_compiled(tokens, input_pos, tables)
+
+    quiet_inductor()
+    try:
+        with torch.inference_mode():
+            for bsz, width in _WARM_UP:  # block 0's first position is scratch until a sequence takes the block
+                zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=model.device)  # noqa: E731
+                compiled(zeros(bsz, 1), zeros(bsz, 1), zeros(bsz, width))  # three tensors: one would be guarded on
+    except Exception as e:  # Inductor fails in many ways (no compiler, a bad toolchain)
+        reason = first_line(e)
+        raise LlamaError(f"compile=True failed: torch.compile could not build the server's step ({reason}); "
+                         "run without compile=True") from e
+    return compiled, notes

@@ -14,11 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.compile import aot
-from llama.compile.aot import PagedStep, Unsupported
-from llama.compile.step import RECOMPILE_LIMIT, quiet_inductor
-from llama.errors import LlamaError, first_line
-from llama.kernels.build import missing
+from llama.compile.aot import PagedStep
+from llama.compile.step import compile_paged_step
+from llama.errors import LlamaError
 from llama.generation import sample
 from llama.kv_cache import PagedKVCache
 from llama.model import Transformer
@@ -90,7 +88,7 @@ class Runner:
         self.notes: List[str] = []  # what the user should hear about the compiled step
         self.compiled = None
         if compile and self.cache is not None:
-            self.compiled = _compile(model, self.cache, compile == "auto", max_rows, progress, self.notes)
+            self.compiled, self.notes = compile_paged_step(model, self.cache, compile, max_rows, progress)
         if self.compiled is None and _ManyRowsOutput.suits(model.output):
             model.output = _ManyRowsOutput(model.output)
 
@@ -196,81 +194,6 @@ class _ManyRowsOutput(nn.Module):
         if rows.shape[0] == 1:
             return F.linear(x, self.weight)
         return torch.mm(self.row_major, rows.t()).t().reshape(*x.shape[:-1], -1)  # (..., vocab)
-
-
-# Batch sizes at which the compiled step is built before serving: one graph each for 1 row, 2-4 rows and 5 or
-# more (the compiled linear layers compute up to 4 rows as reductions, more with a matrix product), each with a
-# block-table width unlike its batch size (two dimensions first seen at one size would share one symbol, and
-# the first step where they differ would compile again: minutes on a CPU).
-_WARM_UP = ((1, 3), (2, 3), (5, 4))
-
-
-def _compile(model: Transformer, cache: PagedKVCache, auto: bool, max_rows: int, progress: Optional[Progress],
-             notes: List[str]) -> Optional[Callable]:
-    """The decode step (one token per row, rows at their own positions), compiled now: a function of plain tensors
-    (tokens, positions, block tables). None where `auto` and it cannot be had (a note says why).
-
-    Float weights are laid out row-major, as `Llama.build(compile=True)` does for its step; the layers keep the
-    classes they were loaded with (`Llama.build(compile_layers=...)` plans them for this step). On the CPU the step
-    comes from stored packages (llama/compile/aot.py), one for a single row and one for each range of batch sizes up to `max_rows`, each serving every table width
-    and pool size; elsewhere from torch.compile (not with `auto`), with batch size and table width symbolic so
-    that no step met while serving compiles anything again (tested).
-
-    Raises:
-        LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler), and not `auto`.
-    """
-    ahead = aot.used(model.device)
-    if auto and not ahead:
-        if model.device.type == "cpu" and not aot.SUPPORTED:
-            notes.append(aot.UNSUPPORTED_NOTE)
-        return None  # the eager step, as the commands' default here (on a GPU, or an older torch)
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
-            module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
-    if ahead:
-        step = PagedStep(model, cache, progress)
-        try:
-            if auto and missing() is not None:
-                raise RuntimeError(f"the stored step is built with a C++ compiler: {missing()}")
-            for size in sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)}):
-                # The default serves at once: packages not stored yet are built in the background, and each runs
-                # from the first step after it is ready. compile=True waits for them.
-                step.ready(size) if auto else step.runner(size)
-        except Unsupported as e:
-            if not auto:
-                raise LlamaError(f"compile=True failed: the server's step cannot be compiled ahead of time ({e})") from e
-            return None
-        except Exception as e:  # Inductor's failures (no compiler, a bad toolchain) come as many exception types
-            reason = first_line(e)
-            if not auto:
-                raise LlamaError(f"compile=True failed: the server's decode step could not be compiled ({reason}); "
-                                 "run without compile=True") from e
-            notes.append(f"the decode step could not be compiled ({reason}); it runs eagerly, about 3 times slower "
-                         "(compile=False hides this note)")
-            return None
-        notes.extend(step.notes)
-        return step
-
-    def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        return model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
-
-    dynamo_compiled = torch.compile(decode, dynamic=True, fullgraph=True)
-
-    def compiled(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # one limit for the whole process
-            return dynamo_compiled(tokens, input_pos, tables)
-
-    quiet_inductor()
-    try:
-        with torch.inference_mode():
-            for bsz, width in _WARM_UP:  # block 0's first position is scratch until a sequence takes the block
-                zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=model.device)  # noqa: E731
-                compiled(zeros(bsz, 1), zeros(bsz, 1), zeros(bsz, width))  # three tensors: one would be guarded on
-    except Exception as e:  # Inductor fails in many ways (no compiler, a bad toolchain)
-        reason = first_line(e)
-        raise LlamaError(f"compile=True failed: torch.compile could not build the server's step ({reason}); "
-                         "run without compile=True") from e
-    return compiled
 
 
 def _top(logprobs: torch.Tensor, k: int) -> List[List[Tuple[int, float]]]:
