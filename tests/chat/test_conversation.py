@@ -166,6 +166,7 @@ def test_reset_after_resuming_returns_to_the_saved_system_prompt(llama2_ckpt, tm
     assert resumed.dialog == []
 
 
+@pytest.mark.slow
 def test_chat_command_reports_reuse_and_resumes_a_saved_session(gqa_ckpt, tmp_path):
     """Replies are counted from the line --stats writes after each; what they say is compared whole, as the
     text the command printed (the model's text may hold line breaks of its own)."""
@@ -197,6 +198,7 @@ def test_chat_command_reports_reuse_and_resumes_a_saved_session(gqa_ckpt, tmp_pa
     assert whole.stdout.startswith(fresh.stdout) and fresh.stdout.endswith("\n")
 
 
+@pytest.mark.slow
 def test_chat_command_drops_the_oldest_exchanges_in_one_line(nonstop_ckpt):
     """Replies of exactly 8 tokens (this checkpoint's greedy runs never stop early), so the conversation
     outgrows 48 positions at the same turn whatever the weights."""
@@ -208,6 +210,7 @@ def test_chat_command_drops_the_oldest_exchanges_in_one_line(nonstop_ckpt):
     assert all(t["prompt"] + 8 <= 48 for t in turns)
 
 
+@pytest.mark.slow
 def test_chat_command_says_when_a_reply_must_be_shorter_than_asked(gqa_ckpt):
     result = chat(gqa_ckpt, "--stats", "--max-seq-len", "48", "--max-gen-len", "40", input="Hello there\n")
     notes = [line for line in result.stderr.splitlines() if "leaves room for a reply of only" in line]

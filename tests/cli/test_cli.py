@@ -2,6 +2,9 @@
 
 Tests that need greedy output of an exact length run the checkpoint whose greedy runs never stop early
 (helpers.write_nonstop): the commands have no switch to ignore stop tokens.
+
+Every command started costs a Python and torch start-up: the quick tier (`-m "not slow"`) keeps the cache
+switch through the command, the streaming decoder and two argument mistakes, and the rest are marked slow.
 """
 
 import io
@@ -24,6 +27,7 @@ from llama.cli.streaming import TextStream
 from llama.tokenizer import Tokenizer
 
 
+@pytest.mark.slow
 def test_generate_echo_prints_prompt_then_continuation(nonstop_ckpt):
     llama = build(nonstop_ckpt)
     prompt = llama.tokenizer.encode(PROMPT, bos=True, eos=False)
@@ -47,6 +51,7 @@ def test_no_kv_cache_prints_the_same_text(nonstop_ckpt):
     assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-5
 
 
+@pytest.mark.slow
 def test_json_gives_one_object_per_prompt(nonstop_ckpt, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\n\nThe answer is\n42\n", encoding="utf-8")
@@ -59,12 +64,14 @@ def test_json_gives_one_object_per_prompt(nonstop_ckpt, tmp_path):
         assert len(r["tokens"]) == 12 and r["timings"]["total_s"] > 0
 
 
+@pytest.mark.slow
 def test_prompt_is_taken_as_literal_text(gqa_ckpt):
     result = generate(gqa_ckpt, "--prompt", "'quoted', [1, 2]", "--json")
     assert json.loads(result.stdout)["prompt"] == "'quoted', [1, 2]"
     assert json.loads(generate(gqa_ckpt, "--prompt", "42", "--json").stdout)["prompt"] == "42"
 
 
+@pytest.mark.slow
 def test_stats_reports_prefill_decode_and_cache_bytes(gqa_ckpt):
     cached = generate(gqa_ckpt, "--prompt", PROMPT, "--stats")
     uncached = generate(gqa_ckpt, "--prompt", PROMPT, "--stats", "--no-kv-cache")
@@ -73,6 +80,7 @@ def test_stats_reports_prefill_decode_and_cache_bytes(gqa_ckpt):
     assert "kv cache bytes:  0" not in cached.stderr and "kv cache bytes:" in cached.stderr
 
 
+@pytest.mark.slow
 def test_stats_reports_the_phases_of_the_run_within_its_wall_time(nonstop_ckpt):
     start = time.perf_counter()
     result = generate(nonstop_ckpt, "--prompt", PROMPT, "--stats")
@@ -92,6 +100,7 @@ def test_stats_reports_the_phases_of_the_run_within_its_wall_time(nonstop_ckpt):
     assert abs(prefill - prefill_ms / 1000) <= 0.0051  # the same measurement as the prefill line's
 
 
+@pytest.mark.slow
 def test_start_up_loads_no_module_the_default_run_does_not_use():
     """torch._dynamo (1-2 s, pulled in by random init on the meta device), SentencePiece (the default model has a
     tokenizer.json) and safetensors (prompt-cache files only) stay out of a plain run's start-up."""
@@ -108,6 +117,7 @@ def test_start_up_loads_no_module_the_default_run_does_not_use():
     assert result.stdout.strip() == ""
 
 
+@pytest.mark.slow
 def test_streaming_prints_exactly_the_final_text(nonstop_ckpt):
     for extra in ([], ["--echo"]):
         streamed = generate(nonstop_ckpt, "--prompt", PROMPT, "--stream", *extra)
@@ -131,6 +141,7 @@ class _Terminal(io.StringIO):
         return super().write(text)
 
 
+@pytest.mark.slow
 def test_on_a_terminal_text_is_written_while_it_is_generated(nonstop_ckpt, monkeypatch):
     """A single prompt printed to a terminal streams by default: text is written piece by piece while the
     model generates it, not all at once when it has finished, and adds up to the piped text."""
@@ -151,6 +162,7 @@ def test_on_a_terminal_text_is_written_while_it_is_generated(nonstop_ckpt, monke
     assert "".join(p for p in log if p is not None) == generate(nonstop_ckpt, "--prompt", PROMPT).stdout
 
 
+@pytest.mark.slow
 def test_a_single_prompt_streams_on_a_terminal(nonstop_ckpt):
     """Under a real pseudo-terminal, what arrives adds up to the piped (non-streamed) text. (That it is
     written while it is generated is the test above: how the reads here split the text is up to timing.)"""
@@ -190,7 +202,7 @@ def test_stream_decoding_holds_back_split_characters():
     assert len(writes) > 5  # it did stream, piece by piece
 
 
-@pytest.mark.parametrize("args, fragments", [
+BAD_ARGUMENTS = [
     (["--prompt", "hi", "--ckpt-dir", "/nonexistent/ckpt"], ["/nonexistent/ckpt"]),
     (["--prompt", "   "], ["empty"]),
     ([], ["--prompt"]),
@@ -206,6 +218,14 @@ def test_stream_decoding_holds_back_split_characters():
     (["--precompile", "0"], ["--precompile values must be at least 1"]),
     (["--precompile", "four"], ["--precompile takes comma-separated whole numbers, not 'four'"]),
     (["--precompile", "--no-kv-cache"], ["leave out --no-compile and --no-kv-cache"]),
+]
+# Each case starts the command: the quick tier runs a missing path and a flag of the wrong type, the full run all.
+QUICK_BAD_ARGUMENTS = (0, 8)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    case if i in QUICK_BAD_ARGUMENTS else pytest.param(*case, marks=pytest.mark.slow)
+    for i, case in enumerate(BAD_ARGUMENTS)
 ])
 def test_bad_arguments_give_a_one_line_error(gqa_ckpt, args, fragments):
     if "--ckpt-dir" not in args:
@@ -213,18 +233,21 @@ def test_bad_arguments_give_a_one_line_error(gqa_ckpt, args, fragments):
     assert_one_line_error(run("llama-generate", *args), *fragments)
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(tmp_path):
     result = run("llama-generate", "--prompt", "hi", "--ckpt-dir", tmp_path / "missing", "--debug")
     assert result.returncode == 1
     assert "Traceback" in result.stderr and result.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+@pytest.mark.slow
 def test_text_that_is_not_utf8_is_refused(gqa_ckpt):
     result = subprocess.run([str(BIN / "llama-generate"), "--ckpt-dir", str(gqa_ckpt), "--prompt", b"caf\xe9"],
                             capture_output=True, text=True, timeout=300)
     assert_one_line_error(result, "not valid UTF-8")
 
 
+@pytest.mark.slow
 def test_stream_needs_a_single_prompt(gqa_ckpt, tmp_path):
     prompts = tmp_path / "two.txt"
     prompts.write_text("a\nb\n")
@@ -232,6 +255,7 @@ def test_stream_needs_a_single_prompt(gqa_ckpt, tmp_path):
     assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--stream", "--json"), "--json")
 
 
+@pytest.mark.slow
 def test_bad_prompts_files(gqa_ckpt, tmp_path):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\xe9\n".encode("latin-1"))
@@ -242,16 +266,19 @@ def test_bad_prompts_files(gqa_ckpt, tmp_path):
     assert_one_line_error(generate(gqa_ckpt, "--prompts-file", many), "9 prompts exceed --max-batch-size 8")
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_max_seq_len(gqa_ckpt):
     result = generate(gqa_ckpt, "--prompt", "word " * 100, "--max-seq-len", "32")
     assert_one_line_error(result, "more than max_seq_len 32")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_without_gpu(gqa_ckpt):
     assert_one_line_error(generate(gqa_ckpt, "--prompt", "hi", "--device", "cuda"), "no CUDA GPU")
 
 
+@pytest.mark.slow
 def test_help_reads_well():
     result = run("llama-generate", "--help")
     assert result.returncode == 0
@@ -262,6 +289,7 @@ def test_help_reads_well():
     assert "Optional[Optional]" not in text
 
 
+@pytest.mark.slow
 def test_chat_keeps_history_resets_and_leaves_on_eof(nonstop_ckpt):
     """Each reply answers the whole conversation so far: the second message's prompt holds the first exchange
     (cache on and off), /reset starts over, and the end of input leaves. Replies are counted from the lines
@@ -296,6 +324,7 @@ def test_chat_keeps_history_resets_and_leaves_on_eof(nonstop_ckpt):
             assert all(t["reused"] == 0 and t["prefilled"] == t["prompt"] for t in turns)
 
 
+@pytest.mark.slow
 def test_example_scripts_run_with_and_without_cache(gqa_ckpt):
     for script in ("example_text_completion.py", "example_chat_completion.py"):
         args = ["--ckpt_dir", gqa_ckpt, "--temperature", "0", "--max_gen_len", "8"]

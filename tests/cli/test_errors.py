@@ -63,7 +63,13 @@ BREAKAGES = {
 }
 
 
-@pytest.mark.parametrize("breakage", list(BREAKAGES))
+# Each case starts the command: the quick tier breaks params.json and the weights once each, the full run every way.
+QUICK_BREAKAGES = ("params-not-json", "missing-key")
+
+
+@pytest.mark.parametrize("breakage", [
+    name if name in QUICK_BREAKAGES else pytest.param(name, marks=pytest.mark.slow) for name in BREAKAGES
+])
 def test_broken_checkpoints_give_one_line_errors(tmp_path, breakage):
     path, _ = write_tiny(tmp_path / "ckpt")
     breaker, fragments = BREAKAGES[breakage]
@@ -96,6 +102,7 @@ def test_nan_logits_are_a_clear_error(gqa_ckpt):
         llama.generate([[1, 2, 3]], 4, temperature=0.7)
 
 
+@pytest.mark.slow
 def test_truncate_cuts_a_long_prompt_from_the_left(nonstop_ckpt):
     long_prompt = " ".join(f"w{i}" for i in range(60))
     result = generate(nonstop_ckpt, "--prompt", long_prompt, "--max-seq-len", "32", "--max-gen-len", "8",
@@ -107,6 +114,7 @@ def test_truncate_cuts_a_long_prompt_from_the_left(nonstop_ckpt):
     assert record["text"].split()[:-1] and "w59" in record["text"]
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_keeping_what_was_printed(nonstop_ckpt):
     """Interrupted while it streams, the command exits 130 and what it printed stays printed. Greedy on a
     checkpoint that never stops early, with 100,000 tokens to go (without a cache, ever slower), the run is
@@ -157,6 +165,7 @@ def _limit_file_size(max_bytes):
     return apply
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_convert_leaves_nothing(tmp_path):
     src = tmp_path / "model.gguf"
     write_llama_gguf(src)

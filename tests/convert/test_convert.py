@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+# A tied model converts as an untied one with its embedding copied into the output layer: the quick tier has untied.
+@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.slow)], ids=["untied", "tied"])
 def hf_model(request):
     return tiny_hf_model(tied=request.param)
 
@@ -33,6 +34,7 @@ def assert_same_logits(ckpt: Path, hf_model) -> float:
     return diff
 
 
+@pytest.mark.slow
 def test_hf_directory_converts_to_the_same_logits(hf_model, tmp_path):
     src = save_hf(hf_model, tmp_path / "hf")
     result = convert_cli(src, tmp_path / "meta")
@@ -75,6 +77,7 @@ def test_gguf_rows_are_in_meta_order():
     assert torch.equal(unpermute_rotary(torch.from_numpy(np.ascontiguousarray(hf_rows)), 6), torch.from_numpy(gguf_rows))
 
 
+@pytest.mark.slow
 def test_existing_destination_is_refused(tmp_path):
     src = save_hf(tiny_hf_model(tied=False), tmp_path / "hf")
     dest = tmp_path / "meta"
@@ -87,6 +90,7 @@ def test_existing_destination_is_refused(tmp_path):
     assert sorted(p.name for p in dest.iterdir()) == ["keep.txt"]
 
 
+@pytest.mark.slow
 def test_truncated_gguf_leaves_nothing(tmp_path):
     whole = write_gguf(tiny_hf_model(tied=False), tmp_path / "whole.gguf").read_bytes()
     cut = tmp_path / "cut.gguf"

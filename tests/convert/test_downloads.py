@@ -83,6 +83,7 @@ def assert_steps_reported(stderr: str) -> None:
         assert any(l.startswith(f"llama-download: {step}") and ": 100% after " in l for l in lines), (step, stderr)
 
 
+@pytest.mark.slow
 def test_llama_download_reports_each_step_and_prints_the_directory(fake_smollm2, tmp_path):
     dest = tmp_path / "model"
     result = run_command("llama-download", "--dest", str(dest), home=tmp_path / "home")
@@ -93,6 +94,7 @@ def test_llama_download_reports_each_step_and_prints_the_directory(fake_smollm2,
     assert (tmp_path / SMOLLM2_GGUF).read_bytes() == fake_smollm2.read_bytes()  # kept beside, for comparisons
 
 
+@pytest.mark.slow
 def test_the_default_model_fetched_on_first_use_tells_the_user(fake_smollm2, tmp_path):
     home = tmp_path / "home"
     first = run_command("llama-generate", "--prompt", "the meaning of life", "--max-gen-len", "4",

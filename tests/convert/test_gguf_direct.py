@@ -245,6 +245,7 @@ print(json.dumps({"entry": str(entry), "notes": notes}), flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("locking", ["lock", "no-lock"])
 def test_two_processes_converting_at_once_both_succeed(sources, home, locking):
     src, hand = sources[0]["gguf"], sources[1]["gguf"]
@@ -323,6 +324,7 @@ def gen(*args):
     return run("llama-generate", "--prompt", PROMPT, "--temperature", "0", "--max-gen-len", "8", "--json", *args)
 
 
+@pytest.mark.slow
 def test_llama_generate_takes_a_gguf_with_m(sources):
     src, hand = sources[0]["gguf"], sources[1]["gguf"]
     first, again = gen("-m", src), gen("--model", src)
@@ -337,6 +339,7 @@ def test_llama_generate_takes_a_gguf_with_m(sources):
     assert "llama-convert" not in again.stderr  # the second use converts nothing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["llama-chat", "llama-perplexity", "llama-bench", "example_text_completion.py",
                                      "example_chat_completion.py"])
 def test_every_command_takes_m(sources, tmp_path, command):
@@ -355,6 +358,7 @@ def test_every_command_takes_m(sources, tmp_path, command):
     assert "llama-convert" not in result.stderr
 
 
+@pytest.mark.slow
 def test_llama_server_takes_m(sources):
     from helpers import Server
 
@@ -371,6 +375,7 @@ def test_llama_server_takes_m(sources):
     assert not any("llama-convert" in line for line in server.lines)
 
 
+@pytest.mark.slow
 def test_model_flag_mistakes_are_one_line(sources, tmp_path, home):
     src = sources[0]["gguf"]
     assert_one_line_error(gen("-m", src, "--ckpt-dir", sources[1]["gguf"]), "name different models")
@@ -380,6 +385,7 @@ def test_model_flag_mistakes_are_one_line(sources, tmp_path, home):
     assert not home.exists()  # each refused before anything was written
 
 
+@pytest.mark.slow
 def test_llama_download_lists_and_clears_the_converted(sources, home):
     entry = resolve_checkpoint(sources[0]["q8_0"])
     size = sum(p.stat().st_size for p in entry.iterdir())

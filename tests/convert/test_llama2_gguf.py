@@ -16,6 +16,9 @@ from helpers import PROMPT, convert_cli, run
 from llama import Llama
 from llama.convert.llama2_vocab import TOKENIZER_MODEL, VOCAB_GGUF, fetch_llama2_vocab, read_llama_cpp_vectors
 
+# Every test writes a model with the 32,000-piece vocabulary, or runs one in transformers beside ours.
+pytestmark = pytest.mark.slow
+
 PROMPT_IDS = [1, 306, 4658, 278, 6593, 310, 2834, 338]
 GEN_LEN = 20
 

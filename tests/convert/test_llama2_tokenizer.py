@@ -89,6 +89,7 @@ def test_decode_does_not_invert_the_whitespace_marker(sp):
     assert sp.decode(sp.encode(text)) == "a b"
 
 
+@pytest.mark.slow
 def test_tokenizer_model_matches_a_fresh_rebuild(vocab_dir, tmp_path):
     gguf_path = vocab_dir / VOCAB_GGUF
     rebuilt = sentencepiece_model_from_gguf(gguf_path)
@@ -141,6 +142,7 @@ def test_failed_download_is_a_llama_error(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == []  # the staging directory was cleaned up
 
 
+@pytest.mark.slow
 def test_transformers_drops_the_leading_space_piece(vocab_dir, sp, vectors, tmp_path):
     """Where Hugging Face's GGUF loader parts ways with SentencePiece on the same vocabulary.
 

@@ -138,6 +138,7 @@ def test_float_and_dequantized_conversions_stay_float(tmp_path):
     assert sd["layers.0.attention.wq.weight"].dtype == torch.float16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantize_a_float_checkpoint_within_half_a_step(tmp_path, method):
     src, float_sd = write_tiny(tmp_path / "float", num_shards=2)
@@ -172,6 +173,7 @@ def test_quantize_a_gguf_requantizes_only_what_is_not_in_that_method(tmp_path):
     assert all(quant_format.method_of(sd4, n) == "int4" for n in sd4 if quant_format.is_linear_weight(n))
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_and_leave_nothing(tmp_path):
     src, _ = write_tiny(tmp_path / "float")
     bad = convert_cli(src, tmp_path / "q", "--quantize", "int3")

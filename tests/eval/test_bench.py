@@ -3,6 +3,8 @@
 import csv
 import json
 
+import pytest
+
 from helpers import build, run
 from llama.eval.speed import measure
 
@@ -27,6 +29,7 @@ def test_measure_stops_at_the_deadline(gqa_ckpt):
     assert result.out_of_time and result.new_tokens == 1
 
 
+@pytest.mark.slow
 def test_llama_bench_writes_table_csv_json_and_plot(gqa_ckpt, tmp_path):
     out = tmp_path / "bench"
     result = run("llama-bench", "--ckpt-dir", gqa_ckpt, "--lengths", "4,8,16", "--batch-sizes", "1,2",
@@ -46,6 +49,7 @@ def test_llama_bench_writes_table_csv_json_and_plot(gqa_ckpt, tmp_path):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_llama_bench_rejects_bad_flags(gqa_ckpt, tmp_path):
     result = run("llama-bench", "--ckpt-dir", gqa_ckpt, "--modes", "fast", "--out-dir", tmp_path)
     assert result.returncode == 1 and result.stderr.startswith("error: --modes")

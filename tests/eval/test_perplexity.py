@@ -98,6 +98,7 @@ def test_library_errors(llama):
         perplexity(llama, text_tokens(CTX), CTX, chunk_size=0)
 
 
+@pytest.mark.slow
 def test_the_command_agrees_with_the_library(gqa_ckpt, llama):
     text = (REPO / "data" / "alice29.txt").read_text(encoding="utf-8")
     r = run("llama-perplexity", REPO / "data" / "alice29.txt", "--ckpt-dir", gqa_ckpt, "--ctx", CTX,
@@ -110,12 +111,14 @@ def test_the_command_agrees_with_the_library(gqa_ckpt, llama):
     assert "scoring windows: 100%" in r.stderr  # progress, on stderr
 
 
+@pytest.mark.slow
 def test_the_command_prints_a_readable_line(gqa_ckpt):
     r = run("llama-perplexity", REPO / "data" / "alice29.txt", "--ckpt-dir", gqa_ckpt, "--ctx", 8, "--windows", 2)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("perplexity: ") and "+/-" in r.stdout and "in 2 windows of 8" in r.stdout
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line(gqa_ckpt, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Too short.", encoding="utf-8")

@@ -190,6 +190,7 @@ def generate_tokens(ckpt, *args):
     return json.loads(result.stdout)["tokens"], result.stderr
 
 
+@pytest.mark.slow
 def test_generate_with_a_prompt_cache_prints_what_it_prints_without(gqa_ckpt, tmp_path):
     cache = tmp_path / "prompt.kv"
     short, longer = PROMPT, PROMPT + " to be kind to one another"
@@ -218,6 +219,7 @@ def test_generate_with_a_prompt_cache_prints_what_it_prints_without(gqa_ckpt, tm
     assert f"prompt cache:    {n - 1} tokens reused, 1 prefilled" in err  # all but the last, which picks the next
 
 
+@pytest.mark.slow
 def test_generate_refuses_a_prompt_cache_it_cannot_use_or_write(gqa_ckpt, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a\nb\n")

@@ -55,6 +55,7 @@ def test_random_weights_written_tensor_by_tensor_are_random_state_dict(tmp_path,
     assert rope.shape == (args.head_dim // 2,) and rope[0] == 1
 
 
+@pytest.mark.slow
 def test_the_script_defaults_to_metas_shard_count_and_refuses_an_uneven_split(tmp_path):
     script = [sys.executable, str(REPO / "scripts" / "write_random_checkpoint.py")]
     small = ["--n_layers", "1", "--dim", "256", "--n_heads", "2", "--tokenizer", str(EXAMPLE_TOKENIZER)]

@@ -537,6 +537,7 @@ def test_the_compiled_step_calls_the_same_kernels(gqa_ckpt, method):
     assert uncached == got and lp_uncached == lp_got
 
 
+@pytest.mark.slow
 def test_without_a_compiler_the_exact_paths_run_and_a_note_says_why(gqa_ckpt, tmp_path):
     """A fresh build directory and no compiler: the model loads on the exact paths, with one note."""
     code = ("from llama import Llama; "
@@ -552,6 +553,7 @@ def test_without_a_compiler_the_exact_paths_run_and_a_note_says_why(gqa_ckpt, tm
     assert any("exact but slow" in n for n in notes), notes
 
 
+@pytest.mark.slow
 def test_the_commands_take_quant_kernels(gqa_ckpt):
     bin_dir = os.path.dirname(sys.executable)
     argv = [os.path.join(bin_dir, "llama-generate"), "--ckpt-dir", str(gqa_ckpt), "--prompt", "I believe",

@@ -3,6 +3,9 @@ started here on a free loopback port, with a tiny random checkpoint.
 
 Every greedy answer is compared with `Llama.generate` alone on the same prompt, so nothing depends on what
 a random model happens to say; waits are bounded and generous, and nothing depends on timing.
+
+The quick tier (`-m "not slow"`) starts one server and asks it everything; the other servers, each a start-up
+of its own, are marked slow.
 """
 
 import json
@@ -361,6 +364,7 @@ def test_unknown_paths_methods_and_fields(server):
     assert any("POST /v1/completions 200 prompt=" in line and "completion=" in line for line in server.lines)
 
 
+@pytest.mark.slow  # starts a second server
 def test_without_a_kv_cache_the_answers_are_the_same(slow_server, server, llama):
     messages = chat_messages(QUESTIONS[3])
     ours = slow_server.client().chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)

@@ -16,6 +16,8 @@ import pytest
 from helpers import wait_for, write_nonstop
 from test_server import Server
 
+pytestmark = pytest.mark.slow  # every test starts a server and stops it under load
+
 GRACE = 1.0
 MAX_TOKENS = 3000  # far more than a tiny model decodes in the grace: running requests are cut, not finished
 

@@ -16,6 +16,7 @@ from helpers import REPO, write_tiny
 pytest.importorskip("openai")
 
 
+@pytest.mark.slow  # a server and 48 requests
 def test_the_stress_script_finds_nothing_wrong(tmp_path):
     ckpt, _ = write_tiny(tmp_path / "gqa", "gqa")
     out = tmp_path / "report.json"
