@@ -101,6 +101,11 @@ class KVCache(nn.Module):
         return self.cache_k[:bsz], self.cache_v[:bsz]
 
 
+def describe_kv_cache(dtype: torch.dtype, bytes_per_token: int) -> str:
+    """How the cache holds each token, as the commands say it: "float32, 46,080 bytes a token"."""
+    return f"{str(dtype).removeprefix('torch.')}, {bytes_per_token:,} bytes a token"
+
+
 def being_traced(x: torch.Tensor) -> bool:
     """Whether `x` is a tracer's stand-in (torch.compile's, or torch.export's) rather than a tensor being computed.
 

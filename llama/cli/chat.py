@@ -14,6 +14,7 @@ from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
 from llama.generation import check_sampling
 from llama.io.prompt_cache import PromptCacheError, check_writable
+from llama.kv_cache import describe_kv_cache
 
 HELP = "Type a message and press Enter. /reset clears the history; Ctrl-D (or /exit) leaves."
 
@@ -76,7 +77,7 @@ def main(
         max_seq_len: the most tokens the conversation plus a reply may use.
         seed: seed of the sampler.
         stats: after each reply, print to stderr the prompt tokens reused from the cache and prefilled,
-            the prefill time and the decode tokens/s.
+            the prefill time, the decode tokens/s, and the KV cache's dtype and bytes a token.
         compile: compile the decode step even where the default would not: on a GPU (torch.compile,
             minutes per process) and for --no-kv-cache's steps. The default, with neither flag: on the CPU the
             one-token step with the cache is compiled ahead of time, once per model shape and batch size
@@ -102,6 +103,7 @@ def main(
     if session is not None and llama.info.world_size > 1:
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)
+    kv = "off" if no_kv_cache else f"on, {describe_kv_cache(llama.model.dtype, llama.model.kv_cache_nbytes(1, 1))}"
     chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache)
     if session is not None and Path(session).exists():
         try:
@@ -162,7 +164,7 @@ def main(
                 rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
                 print(f"(prompt {len(turn.prompt)} tokens: {reply.reused} reused from the cache, {reply.prefilled} "
                       f"prefilled in {1000 * (times[0] - t0):.0f} ms; {rate:.1f} tokens/s; "
-                      f"kv cache {'on' if not no_kv_cache else 'off'})", file=sys.stderr)
+                      f"kv cache {kv})", file=sys.stderr)
         if session is not None:
             chat.save(Path(session))
 

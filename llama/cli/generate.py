@@ -12,6 +12,7 @@ from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, mode
 from llama.cli.streaming import TextStream
 from llama.generation import check_sampling
 from llama.io.identity import describe_model, model_identity
+from llama.kv_cache import describe_kv_cache
 from llama.io.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
 from llama.nn.session import Session
 
@@ -90,9 +91,9 @@ def main(
         seed: seed of the sampler; the same seed gives the same text.
         logprobs: also report each generated token's log-probability (with --json or --stats).
         json: print one JSON object per prompt (text, token ids, logprobs if asked, timings).
-        stats: print prompt tokens, prefill time, decode tokens/s and KV-cache bytes to stderr, and the seconds
-            each phase of the run took: start-up (Python and the imports), loading (model, weights, tokenizer),
-            prefill (to the first new token) and decode.
+        stats: print prompt tokens, prefill time, decode tokens/s, the KV cache's dtype, bytes a token and bytes
+            in all to stderr, and the seconds each phase of the run took: start-up (Python and the imports), loading
+            (model, weights, tokenizer), prefill (to the first new token) and decode.
         stream: print text as it is generated; default: when printing one prompt to a terminal.
         truncate: cut prompts that are too long from the left (keeping bos) so that max_gen_len new
             tokens fit in max_seq_len, but never to less than half of max_seq_len; without it a prompt
@@ -201,7 +202,9 @@ def main(
         generated = [len(t) - (len(p) if echo else 0) for t, p in zip(out_tokens, prompt_tokens)]
         started = "n/a" if import_s is None else f"{import_s:.2f} s"
         lines = [
-            f"kv cache:        {'on' if not no_kv_cache else 'off'}",
+            f"kv cache:        "
+            + (f"on ({describe_kv_cache(llama.model.dtype, llama.model.kv_cache_nbytes(1, 1))})" if not no_kv_cache
+               else "off"),
             f"device:          {llama.device}",
             f"compiled:        {f'yes ({llama.compiled_step.describe_origin()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"

@@ -15,6 +15,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
 from llama.errors import LlamaError
 from llama.generation import Llama
+from llama.kv_cache import describe_kv_cache
 from llama.runtime.devices import available_memory
 from llama.runtime.progress import Progress
 from llama.server.engine import Engine
@@ -65,8 +66,11 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
             raise LlamaError(f"a KV cache of {num_blocks * block_size:,} tokens needs {nbytes / 2**30:.2f} GiB on "
                              f"{model.device} but only {free / 2**30:.2f} GiB is available; lower --kv-cache-size")
         share = " per process" if world_size > 1 else ""
+        # vLLM's "maximum concurrency": how many sequences of the whole context the cache holds at once.
+        full = num_blocks * block_size / model.params.max_seq_len
         line = (f"--parallel {parallel}, KV cache {num_blocks * block_size:,} tokens in {num_blocks:,} blocks of "
-                f"{block_size}, {nbytes / 2**20:,.1f} MiB{share}")
+                f"{block_size}, {nbytes / 2**20:,.1f} MiB{share} ({describe_kv_cache(model.dtype, per_position)}): "
+                f"room for {full:,.1f} sequences of the full {model.params.max_seq_len:,}-token context")
     if world_size > 1:
         line += f"; split over {world_size} processes"
     runner = Runner(model, num_blocks, block_size, compile=compile if kv_cache else False, max_rows=parallel,

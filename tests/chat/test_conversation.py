@@ -176,6 +176,8 @@ def test_chat_command_reports_reuse_and_resumes_a_saved_session(gqa_ckpt, tmp_pa
     assert len(stats) == 4 and stats[0]["reused"] == 0
     for turn in stats[1:]:
         assert turn["reused"] > 10 and "prefilled in" in turn["line"] and "tokens/s" in turn["line"]
+    # 2 layers x 2 KV heads x 8 dimensions of keys and values in float32: 256 bytes a token.
+    assert all(turn["line"].endswith("; kv cache on, float32, 256 bytes a token)") for turn in stats), stats
 
     saved = tmp_path / "chat.kv"
     first = chat(gqa_ckpt, "--session", saved, "--stats", input="\n".join(messages[:3]) + "\n")

@@ -78,6 +78,9 @@ def test_stats_reports_prefill_decode_and_cache_bytes(gqa_ckpt):
     assert "prefill:" in cached.stderr and "tokens/s" in cached.stderr
     assert "kv cache bytes:  0" in uncached.stderr
     assert "kv cache bytes:  0" not in cached.stderr and "kv cache bytes:" in cached.stderr
+    # Keys and values of 2 layers x 2 KV heads x 8 dimensions, in float32: 2 * 2 * 2 * 8 * 4 bytes a token.
+    assert "kv cache:        on (float32, 256 bytes a token)\n" in cached.stderr
+    assert "kv cache:        off\n" in uncached.stderr
 
 
 @pytest.mark.slow

@@ -173,3 +173,19 @@ def test_quantized_weights_serve_what_they_generate(gqa_ckpt):
     for p, c in zip(ps, collectors):
         assert c.texts() == [llama.tokenizer.decode(solo(llama, p, 16)[0])]
     engine.drain(5)
+
+
+def test_the_start_line_says_what_the_kv_cache_holds(llama):
+    """At start the server says what its KV budget holds: tokens, blocks, bytes, the dtype and bytes a token, and
+    how many sequences of the full context fit at once (vLLM's maximum concurrency)."""
+    from llama.server.app import build_runner
+
+    per_token = llama.model.kv_cache_nbytes(1, 1)
+    _, blocks, line = build_runner(llama, parallel=2, kv_cache_size=100, block_size=16)
+    assert blocks == 7  # 100 positions in whole blocks of 16: 112
+    max_seq_len = llama.model.params.max_seq_len
+    assert line == (f"--parallel 2, KV cache 112 tokens in 7 blocks of 16, {112 * per_token / 2**20:,.1f} MiB "
+                    f"(float32, {per_token:,} bytes a token): room for {112 / max_seq_len:,.1f} sequences of the "
+                    f"full {max_seq_len:,}-token context")
+    _, blocks, line = build_runner(llama, parallel=3, block_size=16)  # the default: room for --parallel of them
+    assert blocks * 16 == 3 * max_seq_len and f"room for 3.0 sequences of the full {max_seq_len:,}-token" in line
