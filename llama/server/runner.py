@@ -8,7 +8,7 @@ position 0 through the model's plain path, as `Llama.generate(kv_cache=False)` d
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,6 @@ from llama.compile.aot import PagedStep
 from llama.compile.step import compile_paged_step
 from llama.errors import LlamaError
 from llama.generation import sample
-from llama.kv_cache import PagedKVCache
 from llama.model import Transformer
 from llama.runtime.progress import Progress
 
