@@ -262,8 +262,9 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, mode: Union[bool
     if ahead:
         step = PagedStep(model, cache, progress)
         try:
-            if auto and _no_compiler() is not None:
-                raise RuntimeError(_no_compiler())
+            reason = _no_compiler() if auto else None
+            if reason is not None:
+                raise RuntimeError(reason)
             for size in sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)}):
                 # The default serves at once: packages not stored yet are built in the background, and each runs
                 # from the first step after it is ready. compile=True waits for them.
