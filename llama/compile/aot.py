@@ -47,6 +47,8 @@ PACKAGE = "step.pt2"
 META = "meta.json"
 # Caches of every length from 2 positions up share one package; generate() never decodes with a shorter one.
 _MIN_CACHE, _MAX_CACHE = 2, 1 << 20
+# The most tokens one step that verifies a speculative draft feeds (llama/speculative.py): its packages are one per count.
+MAX_VERIFY_TOKENS = 17
 _SOURCES = Path(__file__).resolve().parents[1]  # the whole llama package
 
 
@@ -63,7 +65,9 @@ def quiet_inductor() -> None:
 
 
 class _DecodeStep(nn.Module):
-    """What is exported: one token per row at its own position, written into per-layer caches given as tensors."""
+    """What is exported: one token per row at its own position, written into per-layer caches given as tensors; or
+    a few tokens of one row at consecutive positions (the draft a speculative step verifies), with every one's
+    logits."""
 
     def __init__(self, model: Transformer):
         super().__init__()
@@ -71,7 +75,8 @@ class _DecodeStep(nn.Module):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, kv: List[torch.Tensor]) -> torch.Tensor:
         caches = [KVCache.wrap(kv[i], kv[i + 1]) for i in range(0, len(kv), 2)]
-        return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=1)
+        # The number of tokens is a constant of each package: this is Python's choice while exporting, not the step's.
+        return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=1 if tokens.shape[1] == 1 else None)
 
 
 class _PagedDecodeStep(nn.Module):
@@ -392,10 +397,11 @@ class _StoredSteps:
 
 
 class AheadOfTimeStep(_StoredSteps):
-    """The one-token cached step of `model` through stored packages, one per batch size, built at first need.
+    """The cached steps of `model` through stored packages, built at first need: the one-token step, one package per
+    batch size (a size `n`), and the step that verifies a speculative draft, `tokens` tokens of one row with every
+    one's logits, one package per number of tokens (a size `(1, tokens)`).
 
-    Called as `compile.Step` is (tokens, start_pos, cache, num_logits) for one token per row with a `KVCache`;
-    `accepts` says whether a call is of that kind.
+    Called as `compile.Step` is (tokens, start_pos, cache, num_logits); `accepts` says whether a call is of either kind.
     """
 
     kind = "decode"
@@ -404,28 +410,46 @@ class AheadOfTimeStep(_StoredSteps):
         super().__init__(model, _DecodeStep(model), progress)
 
     @staticmethod
+    def size_of(tokens: torch.Tensor):
+        """The package a call with these tokens runs: its batch size for one token a row, (1, seqlen) for more."""
+        return tokens.shape[0] if tokens.shape[1] == 1 else (1, tokens.shape[1])
+
+    @staticmethod
     def accepts(tokens: torch.Tensor, cache, num_logits: Optional[int]) -> bool:
-        return (cache is not None and tokens.shape[1] == 1 and num_logits in (None, 1)
+        bsz, seqlen = tokens.shape
+        shape_fits = ((seqlen == 1 and num_logits in (None, 1))
+                      or (bsz == 1 and 1 < seqlen <= MAX_VERIFY_TOKENS and num_logits in (None, seqlen)))
+        return (cache is not None and shape_fits
                 and all(type(c) is KVCache and c.cache_k.is_contiguous() and c.cache_v.is_contiguous() for c in cache)
-                and cache[0].max_seq_len >= _MIN_CACHE)
+                and cache[0].max_seq_len >= max(_MIN_CACHE, seqlen + 1))
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: List[KVCache], num_logits: Optional[int] = None,
                  runner: Optional[Callable] = None):
-        runner = runner or self.runner(tokens.shape[0])
-        input_pos = torch.full((tokens.shape[0], 1), start_pos, dtype=torch.long, device=tokens.device)
-        kv = [t for c in cache for t in (c.cache_k[: tokens.shape[0]], c.cache_v[: tokens.shape[0]])]
+        bsz, seqlen = tokens.shape
+        runner = runner or self.runner(self.size_of(tokens))
+        input_pos = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
+        kv = [t for c in cache for t in (c.cache_k[:bsz], c.cache_v[:bsz])]
         # The package reads its inputs with the strides it was compiled for, unchecked: contiguous ones. generate()
         # feeds a column of its token buffer, whose rows lie a whole buffer row apart.
-        return runner(tokens.contiguous(), input_pos, kv)
+        return runner(tokens.contiguous(), input_pos.contiguous(), kv)
 
-    def _example(self, batch_size: int):
-        cache = self.model.new_kv_cache(batch_size, 8)
+    def _place(self, size):
+        if not isinstance(size, tuple):
+            return super()._place(size)
+        fields = describe_key(self.model, 1, "verify", {"tokens": size[1]})
+        directory = self.directories[size] = compiled_dir() / _key(fields)
+        return fields, directory
+
+    def _example(self, size):
+        batch_size, seqlen = (size, 1) if not isinstance(size, tuple) else size
+        cache = self.model.new_kv_cache(batch_size, 8 + seqlen)
         kv = [t for c in cache for t in (c.cache_k, c.cache_v)]
-        tokens = torch.zeros((batch_size, 1), dtype=torch.long, device=self.model.device)
-        input_pos = torch.full((batch_size, 1), 3, dtype=torch.long, device=self.model.device)
-        length = torch.export.Dim("cache_len", min=_MIN_CACHE, max=_MAX_CACHE)
-        return ((tokens, input_pos, kv), (None, None, [{2: length}] * len(kv)),
-                f"compiling the decode step for batch size {batch_size}")
+        tokens = torch.zeros((batch_size, seqlen), dtype=torch.long, device=self.model.device)
+        input_pos = torch.arange(3, 3 + seqlen, device=self.model.device).expand(batch_size, seqlen).contiguous()
+        length = torch.export.Dim("cache_len", min=max(_MIN_CACHE, seqlen + 1), max=_MAX_CACHE)
+        what = (f"compiling the decode step for batch size {batch_size}" if seqlen == 1
+                else f"compiling the step that checks {seqlen - 1} drafted tokens")
+        return (tokens, input_pos, kv), (None, None, [{2: length}] * len(kv)), what
 
 
 # The server's batch sizes, in the ranges one package each serves: the linear layers take one path per range

@@ -116,7 +116,7 @@ class CompiledStep:
                 if not self.eager_otherwise:  # compile=True: wait for the package
                     return self.ahead_of_time(tokens, start_pos, cache, num_logits)
                 # The default: the stored step once it is ready, the eager one (the same bits) until then.
-                runner = self.ahead_of_time.ready(tokens.shape[0])
+                runner = self.ahead_of_time.ready(self.ahead_of_time.size_of(tokens))
                 if runner is not None:
                     return self.ahead_of_time(tokens, start_pos, cache, num_logits, runner=runner)
             except Unsupported:
@@ -130,6 +130,31 @@ class CompiledStep:
                 torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch._inductor.config.patch(cpp_wrapper=self._cpp_wrapper):
             return self._compiled(tokens, start_pos, cache, num_logits=num_logits)
+
+    def verifies(self, n_tokens: int, cache: List[KVCache]) -> bool:
+        """Whether the step that feeds `n_tokens` tokens of one row, with every one's logits, runs compiled now: the
+        step a speculative draft is verified with (llama/speculative.py), worth it only compiled.
+
+        compile=True: yes, wherever a stored package can take it (built now where there is none). The default,
+        "auto": yes once its package is loaded; a package not stored yet is built in the background, after the
+        builds already queued, and stored when the process ends, as the one-token step's is."""
+        ahead = self.ahead_of_time
+        probe = torch.empty((1, n_tokens), dtype=torch.long)
+        if ahead is None or not ahead.accepts(probe, cache, n_tokens):
+            return not self.eager_otherwise and ahead is None  # torch.compile takes any step
+        size = ahead.size_of(probe)
+        try:
+            if not self.eager_otherwise:
+                ahead.runner(size)
+                return True
+            if ahead.ready(size) is not None:
+                return True
+        except Unsupported:
+            self.ahead_of_time = None
+            return False
+        if ahead.building and not any(s is self for s, _ in _unfinished):
+            _unfinished.append((self, ahead.progress))
+        return False
 
     def describe_origin(self) -> str:
         """How the step came to be, for --stats: "ahead of time, loaded from disk" or "built and stored",
