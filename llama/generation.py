@@ -21,6 +21,7 @@ from llama.convert.cache import resolve_checkpoint
 from llama.runtime.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.runtime.distributed import init_distributed
 from llama.errors import LlamaError
+from llama.sampling import check_sampling, logprobs_of, sample, sample_top_p  # noqa: F401 (Meta's names, here too)
 from llama import kernels
 from llama.kv_cache import KVCache
 from llama.model import Transformer
@@ -32,6 +33,8 @@ from llama.quant.dot_linears import DotLinear
 from llama.quant.layer import QuantizedLinear
 from llama.quant.layer_plan import Kernels, LayerPlan
 from llama.quant.quantize import check_method, check_quant_kernels, describe_plan, plan_for, slow_path_note
+from llama.speculative import (DEFAULT_DRAFT_TOKENS, Drafter, Speculation, SpeculationStats, check_speculation,
+                               new_drafter)
 from llama.tokenizer import Tokenizer
 from llama.io.weights import choose_dtype, load_weights, resolve_plan
 
@@ -50,56 +53,6 @@ class ChatPrediction(TypedDict, total=False):
 
 # Called after each generation step with the position just filled and its (bsz,) tokens.
 StepCallback = Callable[[int, torch.Tensor], None]
-
-
-def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Nucleus sampling: draw from the smallest set of tokens whose probabilities sum past `p`.
-
-    Args:
-        probs: (bsz, vocab) probabilities.
-        p: the cumulative-probability threshold, in (0, 1].
-        generator: the source of randomness.
-
-    Returns:
-        (bsz, 1) sampled token ids.
-    """
-    probs_sort, probs_idx = torch.sort(probs, dim=-1, descending=True)
-    probs_sum = torch.cumsum(probs_sort, dim=-1)
-    mask = probs_sum - probs_sort > p  # tokens wholly past the threshold; the most likely one always stays
-    probs_sort[mask] = 0.0
-    probs_sort.div_(probs_sort.sum(dim=-1, keepdim=True))
-    next_token = torch.multinomial(probs_sort, num_samples=1, generator=generator)
-    return torch.gather(probs_idx, -1, next_token)
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """(bsz,) next tokens from (bsz, vocab) logits; temperature 0 is greedy."""
-    if temperature > 0:
-        probs = torch.softmax(logits / temperature, dim=-1)
-        return sample_top_p(probs, top_p, generator).reshape(-1)
-    return torch.argmax(logits, dim=-1)
-
-
-def check_sampling(temperature: float, top_p: float, max_gen_len: int) -> None:
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("max_gen_len", max_gen_len)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise LlamaError(f"{name} must be a number, not {value!r}")
-    if not isinstance(max_gen_len, int):
-        raise LlamaError(f"max_gen_len must be a whole number, not {max_gen_len!r}")
-    if not temperature >= 0:  # also catches NaN
-        raise LlamaError(f"temperature must be 0 (greedy) or more, not {temperature}")
-    if not 0 < top_p <= 1:
-        raise LlamaError(f"top_p must be in (0, 1], not {top_p}")
-    if max_gen_len < 0:
-        raise LlamaError(f"max_gen_len must be 0 or more, not {max_gen_len}")
-
-
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(bsz, n) log-probabilities of `targets` under (bsz, n, vocab) logits.
-
-    Over the vocabulary as it lies in memory, each position apart: cross_entropy over a transposed (bsz, vocab, n)
-    view sums a strided axis and came out up to 2e-4 away from this on a 49,152-token vocabulary."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
 
 
 @contextmanager
@@ -298,6 +251,7 @@ class Llama:
         self.info = info if info is not None else LoadInfo()
         self.compiled_step: Optional[CompiledStep] = None  # set by build(compile=True): runs the steps after the prompt
         self.last_kv_cache_bytes = 0
+        self.last_speculation = SpeculationStats()  # what the last generate() call's speculation did
 
     @torch.inference_mode()
     def generate(
@@ -312,6 +266,8 @@ class Llama:
         on_step: Optional[StepCallback] = None,
         ignore_stop: bool = False,
         session: Optional[Session] = None,
+        speculate: Union[str, Drafter, None] = None,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt until it emits a stop token or reaches max_gen_len new tokens (or max_seq_len).
 
@@ -330,12 +286,28 @@ class Llama:
                 as benchmarks that need exact lengths do.
             session: a KV cache kept between calls (llama/nn/session.py), for one prompt: only the prompt's
                 tokens after the longest prefix it already holds are fed. The results are the same.
+            speculate: "ngram" drafts tokens by prompt lookup and checks them in one step each
+                (llama/speculative.py): at temperature 0 the same tokens, faster where the output repeats the
+                prompt; above it the same distribution. An object with a `draft(tokens, k)` method drafts
+                instead. Needs the cache; several prompts run one after another, and `on_step` is then told
+                each one's (1,) tokens. None: the plain decode.
+            draft_tokens: the most tokens a draft holds.
 
         Returns:
             (tokens, logprobs): per prompt, the returned token ids, ending before the stop token; and
             their log-probabilities, or None unless asked for.
         """
         self._check_request(prompt_tokens, max_gen_len, temperature, top_p, kv_cache, session)
+        check_speculation(speculate, draft_tokens, kv_cache)
+        if speculate is not None and len(prompt_tokens) > 1:  # each alone: rows keep no common pace when speculating
+            runs, stats = [], SpeculationStats()
+            for t in prompt_tokens:
+                runs.append(self.generate([t], max_gen_len, temperature, top_p, logprobs, echo, kv_cache, on_step,
+                                          ignore_stop, session, speculate, draft_tokens))
+                stats.add(self.last_speculation)
+            self.last_speculation = stats
+            return [r[0][0] for r in runs], ([r[1][0] for r in runs] if logprobs else None)
+        self.last_speculation = SpeculationStats()
         bsz = len(prompt_tokens)
         min_prompt_len = min(len(t) for t in prompt_tokens)
         total_len = min(self.model.params.max_seq_len, max_gen_len + max(len(t) for t in prompt_tokens))
@@ -356,26 +328,37 @@ class Llama:
         self.last_kv_cache_bytes = sum(c.nbytes for c in cache) if cache else 0
 
         if min_prompt_len == total_len and logprobs:  # nothing to generate: score the prompts alone
-            token_logprobs[:, 1:] = _token_logprobs(self.model(tokens, 0)[:, :-1], tokens[:, 1:])
+            token_logprobs[:, 1:] = logprobs_of(self.model(tokens, 0)[:, :-1], tokens[:, 1:])
 
         filled = min_prompt_len
-        with _collector_paused():
-            for cur_pos in range(min_prompt_len, total_len):
-                # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
-                logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
-                                       first=cur_pos == min_prompt_len)
-                next_token = sample(logits[:, -1], temperature, top_p, self.generator)
-                # Rows whose prompt is longer than the shortest one are still reading their prompt.
-                next_token = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
-                tokens[:, cur_pos] = next_token
-                if logprobs:
-                    token_logprobs[:, prev_pos + 1 : cur_pos + 1] = _token_logprobs(logits, tokens[:, prev_pos + 1 : cur_pos + 1])
-                stopped |= ~prompt_mask[:, cur_pos] & torch.isin(next_token, stop_ids)
-                prev_pos, filled = cur_pos, cur_pos + 1
-                if on_step is not None:
-                    on_step(cur_pos, next_token)
-                if bool(stopped.all()):
-                    break
+        if speculate is not None:
+            speculation = Speculation(draft_tokens, new_drafter(speculate))
+            if min_prompt_len < total_len:
+                with _collector_paused():
+                    filled, prev_pos = speculation.decode(
+                        tokens, min_prompt_len, prev_pos, total_len,
+                        lambda start, end, n, first: self._forward(tokens, start, end, cache, True, n, first),
+                        lambda n: self.compiled_step is None or self.compiled_step.verifies(n, cache),
+                        temperature, top_p, self.generator, set(stop_list), token_logprobs, on_step)
+            self.last_speculation = speculation.stats
+        else:
+            with _collector_paused():
+                for cur_pos in range(min_prompt_len, total_len):
+                    # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
+                    logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
+                                           first=cur_pos == min_prompt_len)
+                    next_token = sample(logits[:, -1], temperature, top_p, self.generator)
+                    # Rows whose prompt is longer than the shortest one are still reading their prompt.
+                    next_token = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
+                    tokens[:, cur_pos] = next_token
+                    if logprobs:
+                        token_logprobs[:, prev_pos + 1 : cur_pos + 1] = logprobs_of(logits, tokens[:, prev_pos + 1 : cur_pos + 1])
+                    stopped |= ~prompt_mask[:, cur_pos] & torch.isin(next_token, stop_ids)
+                    prev_pos, filled = cur_pos, cur_pos + 1
+                    if on_step is not None:
+                        on_step(cur_pos, next_token)
+                    if bool(stopped.all()):
+                        break
         if session is not None:
             session.end(tokens[0, :prev_pos].tolist())  # the last token was sampled, never fed
         return _trim(prompt_tokens, tokens, token_logprobs, filled, max_gen_len, echo, set(stop_list))
@@ -443,6 +426,8 @@ class Llama:
         logprobs: bool = False,
         echo: bool = False,
         kv_cache: bool = True,
+        speculate: Optional[str] = None,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ) -> List[CompletionPrediction]:
         """Continue each text prompt; see `generate` for the arguments.
 
@@ -452,7 +437,8 @@ class Llama:
             max_gen_len = self.model.params.max_seq_len - 1
         prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
         generation_tokens, generation_logprobs = self.generate(
-            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo, kv_cache
+            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo, kv_cache, speculate=speculate,
+            draft_tokens=draft_tokens,
         )
         if logprobs:
             return [
@@ -474,6 +460,8 @@ class Llama:
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
         kv_cache: bool = True,
+        speculate: Optional[str] = None,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ) -> List[ChatPrediction]:
         """The assistant's next message for each dialog, in the tokenizer's chat format (LLaMA-2's or ChatML).
 
@@ -485,7 +473,8 @@ class Llama:
         prompt_tokens = [self.dialog_tokens(d) for d in dialogs]  # checks each dialog's shape first
         unsafe = [has_special_tags(d, self.tokenizer.chat_format) for d in dialogs]
         generation_tokens, generation_logprobs = self.generate(
-            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo=False, kv_cache=kv_cache
+            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo=False, kv_cache=kv_cache,
+            speculate=speculate, draft_tokens=draft_tokens,
         )
         predictions: List[ChatPrediction] = []
         for i, t in enumerate(generation_tokens):

@@ -430,3 +430,16 @@ class Server:
 
         text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+class Always:
+    """Drafts at every step: the tokens that followed the latest earlier occurrence of the last token, else the
+    last token again and again (a draft that is mostly wrong, which the check must reject)."""
+
+    def draft(self, tokens, k):
+        last = tokens[-1]
+        for i in range(len(tokens) - 2, -1, -1):
+            if tokens[i] == last:
+                follow = tokens[i + 1 : i + 1 + k]
+                return follow + [last] * (k - len(follow))
+        return [last] * k

@@ -20,6 +20,7 @@ from llama.generation import Llama, StepCallback
 from llama.io.identity import describe_model, model_identity
 from llama.io.prompt_cache import load_prompt_cache, restore, save_prompt_cache
 from llama.nn.session import Session
+from llama.speculative import DEFAULT_DRAFT_TOKENS, check_speculation
 
 
 @dataclass
@@ -48,10 +49,14 @@ class Conversation:
         system: a system prompt that starts the conversation and survives `reset` and dropped turns.
         max_gen_len: the most tokens of one reply; the dialog is shortened to leave this much room.
         kv_cache: keep keys and values between turns (a Session); False runs every step without a cache.
+        speculate, draft_tokens: speculative decoding, as `Llama.generate` takes it: the same replies.
     """
 
-    def __init__(self, llama: Llama, system: Optional[str] = None, max_gen_len: int = 512, kv_cache: bool = True):
+    def __init__(self, llama: Llama, system: Optional[str] = None, max_gen_len: int = 512, kv_cache: bool = True,
+                 speculate: Optional[str] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+        check_speculation(speculate, draft_tokens, kv_cache)
         self.llama = llama
+        self.speculate, self.draft_tokens = speculate, draft_tokens
         self.start: Dialog = [{"role": "system", "content": system}] if system else []
         self.dialog: Dialog = list(self.start)
         self.max_gen_len = max_gen_len
@@ -89,7 +94,8 @@ class Conversation:
                 on_step: Optional[StepCallback] = None) -> Reply:
         """Generate the reply to `turn` and add the exchange to the conversation."""
         (tokens,), _ = self.llama.generate([turn.prompt], turn.max_gen_len, temperature, top_p,
-                                           kv_cache=self.kv_cache, on_step=on_step, session=self.session)
+                                           kv_cache=self.kv_cache, on_step=on_step, session=self.session,
+                                           speculate=self.speculate, draft_tokens=self.draft_tokens)
         text = self.llama.tokenizer.decode(tokens)
         self.dialog = turn.dialog + [{"role": "assistant", "content": text}]
         if self.session is not None:

@@ -12,7 +12,8 @@ from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, mode
 from llama.cli.streaming import TextStream
 from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
-from llama.generation import check_sampling
+from llama.sampling import check_sampling
+from llama.speculative import DEFAULT_DRAFT_TOKENS, check_speculation
 from llama.io.prompt_cache import PromptCacheError, check_writable
 from llama.kv_cache import describe_kv_cache
 
@@ -58,6 +59,8 @@ def main(
     quantize: str = None,
     quant_kernels: str = "integer",
     model: str = None,
+    speculate: str = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ):
     """Chat with a LLaMA model in the terminal.
 
@@ -77,7 +80,8 @@ def main(
         max_seq_len: the most tokens the conversation plus a reply may use.
         seed: seed of the sampler.
         stats: after each reply, print to stderr the prompt tokens reused from the cache and prefilled,
-            the prefill time, the decode tokens/s, and the KV cache's dtype and bytes a token.
+            the prefill time, the decode tokens/s, the KV cache's dtype and bytes a token, and with --speculate
+            the drafted tokens kept.
         compile: compile the decode step even where the default would not: on a GPU (torch.compile,
             minutes per process) and for --no-kv-cache's steps. The default, with neither flag: on the CPU the
             one-token step with the cache is compiled ahead of time, once per model shape and batch size
@@ -88,11 +92,16 @@ def main(
         session: a file that keeps the conversation and its KV cache: resumed from it (its messages, system
             prompt included) when it exists and belongs to this model, saved to it after every reply. A file
             from another model, or damaged, is reported in one line and replaced.
+        <speculation flags>
     """
     ckpt_dir = model_flag(ckpt_dir, model)
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
+    try:
+        check_speculation(speculate, draft_tokens, kv_cache=not no_kv_cache)
+    except LlamaError as e:
+        fail(as_flags(str(e)))
     if session is not None and no_kv_cache:
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
     if session is not None:
@@ -104,7 +113,8 @@ def main(
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)
     kv = "off" if no_kv_cache else f"on, {describe_kv_cache(llama.model.dtype, llama.model.kv_cache_nbytes(1, 1))}"
-    chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache)
+    chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache,
+                        speculate=speculate, draft_tokens=draft_tokens)
     if session is not None and Path(session).exists():
         try:
             n = chat.resume(Path(session))
@@ -164,7 +174,9 @@ def main(
                 rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
                 print(f"(prompt {len(turn.prompt)} tokens: {reply.reused} reused from the cache, {reply.prefilled} "
                       f"prefilled in {1000 * (times[0] - t0):.0f} ms; {rate:.1f} tokens/s; "
-                      f"kv cache {kv})", file=sys.stderr)
+                      f"kv cache {kv}"
+                      + (f"; speculation: {llama.last_speculation.describe()}" if speculate else "") + ")",
+                      file=sys.stderr)
         if session is not None:
             chat.save(Path(session))
 

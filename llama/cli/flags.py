@@ -1,7 +1,7 @@
 """The flags every command that loads a model shares, and their help text, written once."""
 
 import textwrap
-from typing import Callable
+from typing import Callable, Dict, Optional
 
 # In the order a command's help lists them where its signature does not say otherwise.
 MODEL_FLAGS = {
@@ -20,21 +20,35 @@ MODEL_FLAGS = {
     "model": "the same as --ckpt-dir, by llama.cpp's name (-m FILE).",
 }
 MARKER = "<model flags>"
+# The speculative-decoding flags of llama-generate, llama-chat and llama-server, where their docstrings say so.
+SPECULATION_FLAGS = {
+    "speculate": "ngram: draft tokens by prompt lookup (the tokens that followed the latest earlier occurrence of the "
+                 "last few tokens, in the prompt or the output so far) and check each draft in one step: at "
+                 "temperature 0 exactly the plain decode's text, faster where the output repeats the input "
+                 "(summaries, edits, code); above it the same distribution. Needs the KV cache.",
+    "draft_tokens": "the most tokens a draft holds (1-16; default 4).",
+}
+SPECULATION_MARKER = "<speculation flags>"
 
 
-def model_flags_help(indent: int = 8, width: int = 116) -> str:
-    """The shared flags as entries of a docstring's Args section, the form fire reads its help from."""
+def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str, str]] = None) -> str:
+    """The shared flags (`MODEL_FLAGS` unless `flags` are given) as entries of a docstring's Args section, the form
+    fire reads its help from."""
     lines = []
-    for name, text in MODEL_FLAGS.items():
+    for name, text in (MODEL_FLAGS if flags is None else flags).items():
         lines += textwrap.wrap(f"{name}: {text}", width=width, initial_indent=" " * indent,
                                subsequent_indent=" " * (indent + 4), break_on_hyphens=False)
     return "\n".join(lines)
 
 
 def with_model_flags(main: Callable) -> Callable:
-    """Write the shared flags' help where `main`'s docstring says `<model flags>`; fire shows it as `main`'s own."""
+    """Write the shared flags' help where `main`'s docstring says `<model flags>` (and `<speculation flags>`, where it
+    does); fire shows it as `main`'s own."""
     doc = main.__doc__
     assert doc is not None and MARKER in doc, f"{main.__module__}.main's docstring has no {MARKER} line"
-    line = next(l for l in doc.splitlines() if MARKER in l)
-    main.__doc__ = doc.replace(line, model_flags_help(indent=len(line) - len(line.lstrip())))
+    for marker, flags in ((MARKER, MODEL_FLAGS), (SPECULATION_MARKER, SPECULATION_FLAGS)):
+        line = next((l for l in doc.splitlines() if marker in l), None)
+        if line is not None:
+            doc = doc.replace(line, model_flags_help(indent=len(line) - len(line.lstrip()), flags=flags))
+    main.__doc__ = doc
     return main

@@ -10,7 +10,9 @@ from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_num
 from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
 from llama.cli.streaming import TextStream
-from llama.generation import check_sampling
+from llama.errors import LlamaError
+from llama.sampling import check_sampling
+from llama.speculative import DEFAULT_DRAFT_TOKENS, check_speculation
 from llama.io.identity import describe_model, model_identity
 from llama.kv_cache import describe_kv_cache
 from llama.io.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
@@ -67,6 +69,8 @@ def main(
     quant_kernels: str = "integer",
     model: str = None,
     precompile=False,
+    speculate: str = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -76,6 +80,7 @@ def main(
         llama-generate --prompts-file prompts.txt --json --temperature 0
         llama-generate --prompt "$(cat long-document.txt) Summary:" --prompt-cache doc.kv
         llama-generate --precompile --quantize int8
+        llama-generate --prompt "$(cat code.py) # The same code with type hints:" --speculate ngram --temperature 0
 
     Args:
         prompt: the text to continue.
@@ -112,6 +117,7 @@ def main(
             without generating, so that no later run pays for it (llama-chat uses the same one). Alone, for
             one prompt at a time; with batch sizes (--precompile 1,4), for each: a --prompts-file of N
             prompts runs at batch size N.
+        <speculation flags>
     """
     import_s = seconds_since_start()
     ckpt_dir = model_flag(ckpt_dir, model)
@@ -130,6 +136,10 @@ def main(
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
+    try:
+        check_speculation(speculate, draft_tokens, kv_cache=not no_kv_cache)
+    except LlamaError as e:
+        fail(as_flags(str(e)))
     if len(prompts) > max_batch_size:
         fail(f"{len(prompts)} prompts exceed --max-batch-size {max_batch_size}; raise it or split the file")
 
@@ -174,6 +184,7 @@ def main(
     out_tokens, out_logprobs = llama.generate(
         prompt_tokens, max_gen_len, temperature, top_p, logprobs=logprobs, echo=echo,
         kv_cache=not no_kv_cache, on_step=on_step, session=cached.session if cached else None,
+        speculate=speculate, draft_tokens=draft_tokens,
     )
     end = time.perf_counter()
     if cached is not None:
@@ -191,6 +202,10 @@ def main(
                       "timings": timings}
             if logprobs:
                 record["logprobs"] = out_logprobs[i]
+            if speculate is not None and len(prompts) == 1:
+                spec = llama.last_speculation
+                record["speculation"] = {"drafted": spec.drafted, "accepted": spec.accepted, "checks": spec.checks,
+                                         "plain_steps": spec.plain_steps}
             print(jsonlib.dumps(record, ensure_ascii=False), flush=True)
         elif streamer is None:
             if len(prompts) > 1:
@@ -218,6 +233,9 @@ def main(
             f"phases:          import {started}, load {load_s:.2f} s, "
             f"prefill {timings['prefill_s']:.2f} s, decode {timings['decode_s']:.2f} s",
         ]
+        if speculate is not None:
+            lines.insert(3, f"speculation:     {speculate}, drafts of up to {draft_tokens} tokens: "
+                            f"{llama.last_speculation.describe()}")
         if cached is not None:
             lines.insert(3, f"prompt cache:    {cached.session.last_reused} tokens reused, "
                             f"{cached.session.last_prefilled} prefilled (loading took {cached.load_s * 1000:.1f} ms)")

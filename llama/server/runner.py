@@ -17,7 +17,7 @@ from torch import nn
 from llama.compile.aot import PagedStep
 from llama.compile.step import compile_paged_step
 from llama.errors import LlamaError
-from llama.generation import sample
+from llama.sampling import sample
 from llama.model import Transformer
 from llama.runtime.progress import Progress
 

@@ -12,9 +12,10 @@ import shutil
 import pytest
 import torch
 
-from helpers import build, run, write_tiny
+from helpers import Always, build, run, write_tiny
 from llama.kernels.build import missing
 from llama.quant.linears import ReductionLinear, RowsLinear
+from llama.speculative import Speculation
 
 pytestmark = [
     pytest.mark.slow,
@@ -345,3 +346,27 @@ def test_building_the_stored_step_copies_no_weights(tmp_path, monkeypatch):
         sampler.join()
     assert step.built, "the package was loaded, not built"
     assert peak[0] - before < weights / 2, f"{(peak[0] - before) / 2**20:.0f} MiB more while building"
+
+
+@pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_speculation_checks_drafts_with_a_stored_step_and_gives_the_compiled_decode(gqa_ckpt, tmp_path, monkeypatch,
+                                                                                   quantize):
+    """With the compiled step, a draft of 3 tokens is checked by a stored package of 4 tokens, whose rows are the
+    one-token step's: the same tokens as the plain compiled decode, and on the integer kernels the same bits."""
+    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    monkeypatch.setattr(Speculation, "CHECK_COST", 0.0)  # every draft checked
+    llama = build(gqa_ckpt, max_seq_len=96, compile=True, quantize=quantize)
+    prompts = [[1, 5, 6, 7, 8, 5, 6, 7, 9], [1, 300, 301, 302, 300, 301, 302]]
+    plain, plain_lp = llama.generate(prompts, 40, temperature=0, logprobs=True, ignore_stop=True)
+    spec, spec_lp = llama.generate(prompts, 40, temperature=0, logprobs=True, ignore_stop=True, speculate=Always(),
+                                   draft_tokens=3)
+    ahead = llama.compiled_step.ahead_of_time
+    assert (1, 4) in ahead.built and ahead.directories[(1, 4)].is_dir()  # the checking step is a stored package
+    assert llama.last_speculation.checks > 20 and 0 < llama.last_speculation.accepted
+    assert spec == plain
+    if quantize:
+        assert spec_lp == plain_lp
+    else:
+        for a, b in zip(spec_lp, plain_lp):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
