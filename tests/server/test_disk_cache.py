@@ -6,6 +6,7 @@ have the same length, so that the engine that loads blocks from disk runs exactl
 that computes them runs after the loaded blocks: any difference in the bits would be the disk cache's.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from helpers import KEY, Collector, Server, assert_one_line_error, build, run, write_tiny
-from llama.io.kv_blocks import SUFFIX, read_block_file
+from llama.io.kv_blocks import MAGIC, SUFFIX, read_block_file
 from llama.server.app import start_engine
 from llama.server.engine import Delta, Done, Failed, Job
 
@@ -180,6 +181,37 @@ def test_the_directory_stays_under_its_size_the_least_recently_used_going_first(
     first = block_paths(e, ps[0], len(ps[0]) // BS)
     assert not any(p.exists() for p in first)  # the oldest went
     assert all(p.exists() for p in block_paths(e, ps[-1], len(ps[-1]) // BS))  # the newest stayed
+
+
+def test_two_servers_writing_one_directory_at_once_leave_only_whole_files(llama, gqa_ckpt, reference, tmp_path):
+    a, b, _ = shared_prompts(llama)
+    others = [llama.tokenizer.encode(SYSTEM + q, bos=True, eos=False) for q in ("What is a set?", "Say hello.")]
+    directory = tmp_path / "blocks"
+    lines = []
+    engines = [engine(build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN), directory, log=lines.append) for _ in range(2)]
+    collectors = []
+    for prompt in [a, b] + others:  # the same prompts to both, at once: the same blocks written twice over
+        for e in engines:
+            collectors.append(Collector())
+            e.submit(Job(prompt, 8, collectors[-1], temperature=0))
+    assert all(c.done.wait(120) for c in collectors)
+    for e in engines:
+        e.drain(5)
+    names = os.listdir(directory)
+    assert names and all(n.endswith(SUFFIX) for n in names)  # no temporary file left
+    for name in names:  # every file whole, and what its name says
+        data = (directory / name).read_bytes()
+        start = len(MAGIC) + 4
+        header = json.loads(data[start : start + int.from_bytes(data[len(MAGIC) : start], "little")])
+        assert name == header["key"] + SUFFIX
+        read_block_file(directory / name, engines[0].disk.spec, header["parent"], header["tokens"])
+    e = engine(llama, directory, log=lines.append)
+    tokens, logprobs, cached = answer(e, b)
+    e.drain(5)
+    assert cached == (len(b) - 1) // BS * BS and lines == []
+    # Computed beside three other prompts, in chunks the shared prefill budget cut across block boundaries: the
+    # same values as B alone within float rounding, not necessarily the same bits.
+    assert tokens == reference[0] and torch.allclose(logprobs, reference[1], rtol=0, atol=1e-5)
 
 
 def test_a_disk_cache_is_refused_without_a_kv_cache_and_where_it_cannot_write(llama, tmp_path):
