@@ -11,7 +11,8 @@ skipped with one line to the log and removed, never loaded.
 The directory stays under `max_bytes`: before a write that would pass it, the least recently used files (by
 modification time; a file read is touched) are removed until the files take at most 90% of it. Several
 servers may share a directory: files appear whole (written under a unique temporary name, then renamed),
-readers check every file, and a file removed by another server is a miss.
+readers check every file, a file removed by another server is a miss, and each server counts the others' files
+at least every tenth of the limit it writes.
 """
 
 import os
@@ -87,6 +88,7 @@ class DiskCache:
         self.blocks_evicted = self.write_failures = 0
         self._lock = threading.Condition()
         self.bytes = self._scan()[1]
+        self._written_since_scan = 0
         self._queue: Deque[Tuple[str, str, Tuple[int, ...], torch.Tensor]] = deque()
         self._pending: Dict[str, int] = {}  # keys queued or being written, and their payload bytes
         self._closed = False
@@ -206,9 +208,17 @@ class DiskCache:
 
     def _make_room(self, size: int) -> None:
         """Remove the least recently used files until `size` more bytes fit, leaving room for a tenth more."""
-        if self.bytes + size <= self.max_bytes:
+        # Other servers may write and remove files too: they are counted at each scan, so a scan comes at least
+        # every tenth of the limit written here.
+        if self.bytes + size <= self.max_bytes and self._written_since_scan + size <= self.max_bytes // 10:
+            self._written_since_scan += size
             return
-        files, total = self._scan()  # other servers may have written or removed files meanwhile
+        files, total = self._scan()
+        self._written_since_scan = 0
+        if total + size <= self.max_bytes:
+            with self._lock:
+                self.bytes = total
+            return
         target = max(0, int(self.max_bytes * 0.9) - size)
         for _, size_on_disk, path in files:
             if total <= target:
