@@ -98,7 +98,7 @@ def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir
     """Measure time to first token with the system prompt loaded from disk and computed; see the module docstring."""
     directory = Path(tempfile.mkdtemp(prefix="bench-disk-cache-"))
     try:
-        system = PARAGRAPH * max(1, system_tokens // 40)  # about 40 tokens a paragraph; the run reports the count
+        system = PARAGRAPH * max(1, round(system_tokens / 46))  # 46 tokens a paragraph for the default model
         max_seq_len = 2 * system_tokens + 256
         proc = start(ckpt_dir, threads, max_seq_len, directory)
         warm = ask(proc, system, "Where is the library?", max_tokens=1)
