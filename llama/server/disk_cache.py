@@ -76,7 +76,8 @@ class DiskCache:
         LlamaError: the directory cannot be used, or `max_bytes` holds no block.
     """
 
-    def __init__(self, directory: Path, max_bytes: int, spec: BlockSpec, log: Callable[[str], None] = lambda line: None):
+    def __init__(self, directory: Path, max_bytes: int, spec: BlockSpec,
+                 log: Callable[[str], None] = lambda line: None):
         self.directory, self.spec, self.log = prepare_directory(directory), spec, log
         self.file_bytes = spec.payload_bytes + 1024 + 20 * spec.block_size  # the header: digests and ids
         if max_bytes < self.file_bytes:

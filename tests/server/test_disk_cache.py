@@ -166,7 +166,8 @@ def test_a_damaged_or_foreign_file_is_skipped_with_one_line_and_never_loaded(lla
     assert e.disk.blocks_loaded == block and e.disk.blocks_rejected == 1 and cached == block * BS
     assert tokens == reference[0] and torch.equal(logprobs, reference[1])
     # Removed when skipped, then written again when the block was computed: a good file now.
-    read_block_file(target, e.disk.spec, e.disk.keys(b, [], block)[-1] if block else "", b[block * BS : (block + 1) * BS])
+    parent = e.disk.keys(b, [], block)[-1] if block else ""
+    read_block_file(target, e.disk.spec, parent, b[block * BS : (block + 1) * BS])
 
 
 def test_the_directory_stays_under_its_size_the_least_recently_used_going_first(llama, tmp_path):
