@@ -170,6 +170,28 @@ class PagedKVCache:
         for t in self.keys + self.values:
             t[:, b : b + n] = t[:, a : a + n]
 
+    def block_tensor(self, block: int) -> torch.Tensor:
+        """A copy of one block's keys and values in every layer: (n_layers, 2, n_kv_heads, block_size, head_dim),
+        keys before values (what llama/server/disk_cache.py keeps on disk)."""
+        a = block * self.block_size
+        return torch.stack([torch.stack([k[:, a : a + self.block_size], v[:, a : a + self.block_size]])
+                            for k, v in zip(self.keys, self.values)])
+
+    def load_block(self, block: int, kv: torch.Tensor) -> None:
+        """Write one block's keys and values in every layer, from a tensor shaped as `block_tensor` returns.
+
+        Raises:
+            ValueError: the tensor's shape or dtype is not this cache's.
+        """
+        expected = (len(self.keys), 2, *self.keys[0].shape[:1], self.block_size, self.keys[0].shape[2])
+        if tuple(kv.shape) != expected or kv.dtype != self.keys[0].dtype:
+            raise ValueError(f"a block of {tuple(kv.shape)} {kv.dtype} does not fit a cache of {expected} "
+                             f"{self.keys[0].dtype} blocks")
+        a = block * self.block_size
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[:, a : a + self.block_size] = kv[layer, 0]
+            v[:, a : a + self.block_size] = kv[layer, 1]
+
     def for_step(self, block_tables: torch.Tensor, input_pos: torch.Tensor) -> List["PagedLayerCache"]:
         """Per-layer caches for one forward of rows with these block tables, feeding tokens at `input_pos`.
 

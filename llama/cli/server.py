@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Union
+from typing import Tuple, Union
 
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.flags import with_model_flags
@@ -25,6 +25,14 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6,
           "gib": 2**30}
 
 
+def _number_and_unit(size: Union[int, str], flag: str, takes: str) -> Tuple[float, str]:
+    """A size flag's number and its unit in lower case ("" for none); a one-line error if it is neither."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+    if isinstance(size, bool) or not match or match.group(2).lower() not in _UNITS:
+        fail(f"{flag} takes {takes}, not {size!r}")
+    return float(match.group(1)), match.group(2).lower()
+
+
 def kv_cache_positions(size: Union[int, str, None], bytes_per_position: int, default: int) -> int:
     """--kv-cache-size as positions: a whole number is tokens; a number with a unit (512MiB, 2GB) is bytes."""
     if size is None:
@@ -32,16 +40,17 @@ def kv_cache_positions(size: Union[int, str, None], bytes_per_position: int, def
     if isinstance(size, int) and not isinstance(size, bool):
         tokens = size
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
-        if not match or match.group(2).lower() not in _UNITS:
-            fail(f"--kv-cache-size takes tokens (4096) or bytes with a unit (512MiB, 2GB), not {size!r}")
-        if match.group(2) == "":
-            tokens = int(float(match.group(1)))
-        else:
-            tokens = int(float(match.group(1)) * _UNITS[match.group(2).lower()]) // bytes_per_position
+        number, unit = _number_and_unit(size, "--kv-cache-size", "tokens (4096) or bytes with a unit (512MiB, 2GB)")
+        tokens = int(number) if unit == "" else int(number * _UNITS[unit]) // bytes_per_position
     if tokens < 1:
         fail(f"--kv-cache-size {size} holds no token (one takes {bytes_per_position:,} bytes with this model)")
     return tokens
+
+
+def byte_count(size: Union[int, str], flag: str) -> int:
+    """A flag's bytes: a whole number, or a number with a unit (500MB, 2GiB)."""
+    number, unit = _number_and_unit(size, flag, "bytes, alone (1073741824) or with a unit (500MB, 2GiB)")
+    return int(number * _UNITS[unit])
 
 
 @with_model_flags
@@ -58,6 +67,8 @@ def main(
     max_waiting: int = 64,
     api_key: str = None,
     no_kv_cache: bool = False,
+    kv_cache_dir: str = None,
+    kv_cache_dir_size: Union[int, str] = "1GiB",
     no_webui: bool = False,
     model_name: str = None,
     shutdown_grace: float = 5.0,
@@ -74,6 +85,7 @@ def main(
     Examples:
         llama-server
         llama-server --port 8000 --parallel 8 --kv-cache-size 16384
+        llama-server --kv-cache-dir ~/.cache/llama-kv-blocks --kv-cache-dir-size 4GiB
         torchrun --nproc_per_node 2 --no-python llama-server --ckpt-dir llama-2-13b
         curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
             -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
@@ -94,6 +106,12 @@ def main(
             default: $LLAMA_API_KEY.
         no_kv_cache: feed every sequence's whole prefix at each step instead of caching keys and values.
             Same answers, slower: to measure and to teach.
+        kv_cache_dir: also keep every full block of the KV cache in this directory (created if need be), so that
+            a prefix computed once is loaded instead of computed again, after its blocks left memory or the server
+            restarted; keyed by the model, the KV dtype, the block size and the tokens. Several servers may share
+            it. Not with --no-kv-cache, nor under torchrun.
+        kv_cache_dir_size: the most bytes --kv-cache-dir may take (500MB, 2GiB); the least recently used blocks
+            go first.
         no_webui: do not serve the chat page at / (then GET / is 404, as any unknown path).
         model_name: the model's id in responses and /v1/models; default: the checkpoint directory's name.
         shutdown_grace: seconds running requests get to finish after Ctrl-C or SIGTERM; those still running
@@ -114,6 +132,12 @@ def main(
     if port > 65535:
         fail(f"--port must be at most 65535, not {port}")
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    dir_size = byte_count(kv_cache_dir_size, "--kv-cache-dir-size")
+    if kv_cache_dir is not None:  # refused before the model loads, not after
+        from llama.server.disk_cache import check_disk_cache, prepare_directory
+
+        check_disk_cache(not no_kv_cache, int(os.environ.get("WORLD_SIZE", "1")))
+        prepare_directory(Path(kv_cache_dir).expanduser())
     ckpt_dir = model_flag(ckpt_dir, model)
     compile = compile_flag(compile, no_compile, no_kv_cache)
 
@@ -146,7 +170,8 @@ def main(
     name = model_name or (Path(str(ckpt_dir)).resolve().name if ckpt_dir is not None else DEFAULT_MODEL)
     serve(load, host, port, prefill_chunk=prefill_chunk, max_waiting=max_waiting, model_id=name, api_key=api_key,
           webui=not no_webui, shutdown_grace=shutdown_grace, progress=ProgressPrinter(prefix="llama-server: "),
-          on_rank_lost=_rank_lost, say=_say, log=_log, **runner_settings)
+          kv_cache_dir=str(Path(kv_cache_dir).expanduser()) if kv_cache_dir is not None else None,
+          kv_cache_dir_size=dir_size, on_rank_lost=_rank_lost, say=_say, log=_log, **runner_settings)
 
 
 def _say(line: str) -> None:

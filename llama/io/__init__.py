@@ -1,1 +1,2 @@
-"""Weights on disk and into memory: checkpoints and tensor files, loading, model identity, prompt caches."""
+"""Weights on disk and into memory: checkpoints and tensor files, loading, model identity, prompt caches, KV block
+files."""

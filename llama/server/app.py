@@ -11,13 +11,17 @@ halves, for a caller (a test) that serves in its own way.
 import os
 import socket
 import threading
+from pathlib import Path
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
 from llama.errors import LlamaError
 from llama.generation import Llama
+from llama.io.identity import model_identity
+from llama.io.kv_blocks import BlockSpec
 from llama.kv_cache import describe_kv_cache
 from llama.runtime.devices import available_memory
 from llama.runtime.progress import Progress
+from llama.server.disk_cache import DEFAULT_MAX_BYTES, DiskCache, check_disk_cache, prepare_directory
 from llama.server.engine import Engine
 from llama.server.http import ServerState, create_app
 from llama.server.runner import Runner
@@ -93,26 +97,54 @@ class Started(NamedTuple):
 def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
                  prefill_chunk: int = 128, max_waiting: int = 64, kv_cache: bool = True,
                  compile: Union[bool, str] = False, progress: Optional[Progress] = None,
+                 kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
                  on_rank_lost: Log = _quiet, log: Log = _quiet) -> Started:
     """The running serving loop over `llama`: its runner (`build_runner`), a scheduler of `parallel` sequences
-    fed `prefill_chunk` prompt tokens a step, and room for `max_waiting` requests waiting.
+    fed `prefill_chunk` prompt tokens a step, and room for `max_waiting` requests waiting. With `kv_cache_dir`,
+    every full block computed is also kept in that directory, at most `kv_cache_dir_size` bytes of them, and
+    found there again (llama/server/disk_cache.py).
 
     Under torchrun this is rank 0's part, and `on_rank_lost` is told when another rank is gone (`follow_steps` is
     the other ranks' part).
 
     Returns:
         the engine, started, a line describing it, and the notes of its compiled step.
+
+    Raises:
+        LlamaError: the KV cache does not fit, or `kv_cache_dir` cannot be used (without a KV cache, under torchrun,
+            a directory that cannot be written, a size that holds no block).
     """
+    if kv_cache_dir is not None:
+        check_disk_cache(kv_cache, llama.info.world_size)
+        prepare_directory(kv_cache_dir)
     runner, num_blocks, line = build_runner(llama, parallel, kv_cache_size, block_size, kv_cache, compile, progress)
     notes = list(runner.notes)
+    disk = None
+    if kv_cache_dir is not None:
+        disk = open_disk_cache(llama, runner, kv_cache_dir, kv_cache_dir_size, log)
+        line += (f"; KV blocks kept on disk in {disk.directory} (up to {disk.max_bytes / 2**20:,.1f} MiB, "
+                 f"{disk.bytes / 2**20:,.1f} MiB there now)")
     if llama.info.world_size > 1:
         from llama.server.ranks import LeaderRunner, step_group
 
         runner = LeaderRunner(runner, step_group(), on_lost=on_rank_lost)
-    scheduler = Scheduler(max(num_blocks, 1), block_size, parallel, prefill_chunk, kv_cache=kv_cache)
-    engine = Engine(llama.tokenizer, scheduler, runner, max_waiting, log=log)
+    scheduler = Scheduler(max(num_blocks, 1), block_size, parallel, prefill_chunk, kv_cache=kv_cache, disk=disk)
+    engine = Engine(llama.tokenizer, scheduler, runner, max_waiting, log=log, disk=disk)
     engine.start()
     return Started(engine, line, notes)
+
+
+def open_disk_cache(llama: Llama, runner: Runner, directory: str, max_bytes: int, log: Log = _quiet) -> DiskCache:
+    """The disk cache for `runner`'s KV cache: its files keyed by `llama`'s identity, the cache's dtype, block size
+    and shapes."""
+    cache = runner.cache
+    shapes = {(k.shape[0], k.shape[2]) for k in cache.keys}
+    if len(shapes) != 1:
+        raise LlamaError("kv_cache_dir= needs every layer to hold the same number of KV heads of the same width")
+    ((n_kv_heads, head_dim),) = shapes
+    spec = BlockSpec(model_identity(llama), cache.keys[0].dtype, cache.block_size,
+                     (len(cache.keys), n_kv_heads, head_dim))
+    return DiskCache(Path(directory), max_bytes, spec, log)
 
 
 def follow_steps(llama: Llama, say: Log = _quiet, **runner_settings) -> None:
@@ -152,9 +184,11 @@ def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1",
           prefill_chunk: int = 128, max_waiting: int = 64, kv_cache: bool = True,
           compile: Union[bool, str] = False, model_id: str = "llama", api_key: Optional[str] = None,
           webui: bool = True, shutdown_grace: float = 5.0, progress: Optional[Progress] = None,
+          kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
           on_rank_lost: Log = _quiet, say: Log = _quiet, log: Log = _quiet) -> None:
     """Serve `generator` (a `Llama`, or a function that builds one while the server already listens) over
-    OpenAI's HTTP API at `host`:`port` (0: a free port) until Ctrl-C or SIGTERM.
+    OpenAI's HTTP API at `host`:`port` (0: a free port) until Ctrl-C or SIGTERM; with `kv_cache_dir`, keeping the
+    KV cache's full blocks on disk as `start_engine` does.
 
     Raises:
         LlamaError: `host`:`port` cannot be listened on, or the model or its KV cache could not be built (the
@@ -175,7 +209,8 @@ def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1",
             engine, line, notes = start_engine(
                 llama, parallel=parallel, kv_cache_size=kv_cache_size, block_size=block_size,
                 prefill_chunk=prefill_chunk, max_waiting=max_waiting, kv_cache=kv_cache, compile=compile,
-                progress=progress, on_rank_lost=on_rank_lost, log=log)
+                progress=progress, kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
+                on_rank_lost=on_rank_lost, log=log)
             for note in notes:
                 say(f"note: {note}")
             attach(state, engine)

@@ -129,14 +129,18 @@ class BlockPool:
                 else:
                     self.free.append(i)
 
-    def commit(self, blocks: List[int], tokens: Sequence[int], computed: int) -> None:
+    def commit(self, blocks: List[int], tokens: Sequence[int], computed: int) -> List[int]:
         """Enter in the tree every full block of a sequence whose positions 0 .. computed - 1 are computed.
 
         A block whose parent already has a child with the same ids (another sequence computed the same
         prefix) is swapped, in `blocks`, for that child: the sequence goes on with the shared copy and its
         own is released, so the tree holds one block per prefix.
+
+        Returns:
+            the indices in `blocks` of the blocks entered now (not those swapped for a shared copy).
         """
         bs = self.block_size
+        entered = []
         for i in range(min(computed // bs, len(blocks))):
             block = self.blocks[blocks[i]]
             if block.cached:
@@ -150,6 +154,8 @@ class BlockPool:
                 blocks[i] = existing.id
             else:
                 self._enter(block, parent, key)
+                entered.append(i)
+        return entered
 
     def keep_partial(self, blocks: Sequence[int], tokens: Sequence[int], computed: int) -> None:
         """Before a sequence lets its blocks go: enter its last, partly computed block in the tree, so

@@ -18,6 +18,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
 import torch
 
 from llama.detokenize import TextState
+from llama.server.disk_cache import DiskCache
 from llama.server.runner import Result, Row, Runner, Sampler
 from llama.server.scheduler import WAITING, Scheduler, Sequence
 
@@ -111,11 +112,14 @@ class Engine:
         runner: runs it.
         max_waiting: jobs that may wait for room before `submit` refuses more.
         log: told a line (with its traceback) when something fails inside the loop; the server goes on.
+        disk: where every full block that enters the prefix tree is also kept (llama/server/disk_cache.py), the
+            one the scheduler loads blocks from; closed when the engine has drained.
     """
 
     def __init__(self, tokenizer, scheduler: Scheduler, runner: Runner, max_waiting: int = 64,
-                 log: Callable[[str], None] = lambda line: None):
+                 log: Callable[[str], None] = lambda line: None, disk: Optional[DiskCache] = None):
         self.tokenizer, self.scheduler, self.runner, self.log = tokenizer, scheduler, runner, log
+        self.disk = disk
         self.stop_ids = set(tokenizer.stop_ids)
         self.max_waiting = max_waiting
         self._inbox: Deque[Tuple[str, Job]] = deque()
@@ -184,10 +188,12 @@ class Engine:
             self._wake.notify()
 
     def drain(self, grace: float) -> None:
-        """`stop_accepting`, then return when the loop has stopped."""
+        """`stop_accepting`, then return when the loop has stopped and the blocks for the disk are written."""
         self.stop_accepting(grace)
         if self._thread is not None:
             self._thread.join()
+        if self.disk is not None:
+            self.disk.close()
 
     # The loop, in the engine's thread.
 
@@ -289,6 +295,8 @@ class Engine:
             return
         rows = [self._row(p) for p in step.pieces]
         try:
+            if step.loads:
+                self.runner.load_blocks(step.loads)
             results = self.runner.step(step.copies, rows)
         except Exception as e:  # one bad step ends the jobs in it, never the server
             self._report("a step failed", e)
@@ -298,7 +306,11 @@ class Engine:
             self.scheduler.update(step)
             return
         self.steps_total += 1
-        self.scheduler.update(step)
+        entered = self.scheduler.update(step)
+        if self.disk is not None:
+            # Now, before a later step can take the block back: it is copied here and written by the disk's thread.
+            for seq, i in entered:
+                self.disk.save(seq.tokens, seq.block_keys, i, lambda b=seq.blocks[i]: self.runner.block_tensor(b))
         for piece, result in zip(step.pieces, results):
             if piece.seq in self._choices:
                 self._absorb(piece, result)
@@ -380,4 +392,6 @@ class Engine:
                 "cache_bytes_used": pool.used * per_block,
                 "cache_bytes_free": pool.available * per_block,
             })
+        if self.disk is not None:
+            out.update(self.disk.stats())
         return out

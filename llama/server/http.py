@@ -453,4 +453,12 @@ _METRIC_HELP = {
     "cache_blocks_cached": "Free blocks still holding a prefix a later request may reuse.",
     "cache_bytes_used": "Bytes of the KV cache held by running sequences.",
     "cache_bytes_free": "Bytes of the KV cache not held.",
+    "disk_cache_blocks_written_total": "KV blocks written to --kv-cache-dir.",
+    "disk_cache_blocks_loaded_total": "KV blocks loaded from --kv-cache-dir instead of computed (disk hits).",
+    "disk_cache_misses_total": "Lookups in --kv-cache-dir that found no file for the next block.",
+    "disk_cache_blocks_rejected_total": "Files in --kv-cache-dir skipped and removed: damaged, edited or foreign.",
+    "disk_cache_blocks_evicted_total": "Files removed from --kv-cache-dir to stay under --kv-cache-dir-size.",
+    "disk_cache_write_failures_total": "KV blocks not written to --kv-cache-dir: a write failed, or too many waited.",
+    "disk_cache_bytes": "Bytes of KV block files in --kv-cache-dir, as this server counts them.",
+    "disk_cache_bytes_limit": "--kv-cache-dir-size.",
 }

@@ -96,6 +96,17 @@ class Runner:
         the other ranks to exit)."""
 
     @torch.inference_mode()
+    def block_tensor(self, block: int) -> torch.Tensor:
+        """A copy of one block's keys and values in every layer, on the CPU (to keep on disk)."""
+        return self.cache.block_tensor(block).cpu()
+
+    @torch.inference_mode()
+    def load_blocks(self, loads: Sequence[Tuple[int, torch.Tensor]]) -> None:
+        """Write each (block, keys and values) into the cache, as `block_tensor` gave them."""
+        for block, kv in loads:
+            self.cache.load_block(block, kv.to(self.device))
+
+    @torch.inference_mode()
     def step(self, copies: Sequence[Tuple[int, int, int]], rows: Sequence[Row]) -> List[Result]:
         """Copy block prefixes, then feed every row; returns one result per row, in order.
 

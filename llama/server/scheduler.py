@@ -12,13 +12,17 @@ its blocks are released (cached, so they may well still be there) and it waits a
 to be recomputed from its tokens, prompt and generated alike; its sampling goes on where it stopped. A
 sequence that could never fit is refused before it is queued (`check_fits`).
 
+With a disk cache (llama/server/disk_cache.py), where a new sequence's walk of the prefix tree stops, the
+next full blocks its prompt shares with blocks kept on disk are loaded into its own blocks instead of being
+computed: the step carries them (`Step.loads`, opaque here) for the runner to write before it feeds anything.
+
 Without a KV cache (`kv_cache=False`) no blocks are kept: every step feeds each sequence's whole prefix.
 """
 
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, List, Optional, Tuple
+from typing import Any, Deque, List, Optional, Tuple
 
 from llama.server.blocks import BlockPool
 
@@ -50,6 +54,7 @@ class Sequence:
     blocks: List[int] = field(default_factory=list)
     cached_tokens: Optional[int] = None  # prompt tokens taken from the cache when it was first admitted
     preemptions: int = 0
+    block_keys: List[str] = field(default_factory=list)  # the disk cache's keys of its first full blocks, once computed
 
     def __post_init__(self):
         self.tokens = list(self.tokens)
@@ -81,9 +86,10 @@ class Piece:
 
 @dataclass
 class Step:
-    """What one step does: copy block prefixes (prefix reuse), then feed the pieces."""
+    """What one step does: load blocks from disk and copy block prefixes (prefix reuse), then feed the pieces."""
 
     copies: List[Tuple[int, int, int]] = field(default_factory=list)  # (source block, destination block, positions)
+    loads: List[Tuple[int, Any]] = field(default_factory=list)  # (destination block, its keys and values from disk)
     pieces: List[Piece] = field(default_factory=list)
     preempted: List[Sequence] = field(default_factory=list)
 
@@ -99,12 +105,17 @@ class Scheduler:
         max_running: sequences decoded together (`--parallel`).
         prefill_chunk: prompt tokens fed per step, across all sequences still reading their prompts.
         kv_cache: False feeds every sequence's whole prefix at every step, keeping no blocks.
+        disk: where full blocks the prefix tree lacks may be found (llama/server/disk_cache.py's `DiskCache`, whose
+            `load(tokens, keys, first, last)` returns the contents of consecutive full blocks from `first`); None:
+            nowhere.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_running: int, prefill_chunk: int, kv_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, max_running: int, prefill_chunk: int, kv_cache: bool = True,
+                 disk=None):
         if max_running < 1 or prefill_chunk < 1:
             raise ValueError(f"max_running and prefill_chunk must be at least 1, not {max_running} and {prefill_chunk}")
         self.pool = BlockPool(num_blocks, block_size) if kv_cache else None
+        self.disk = disk if kv_cache else None
         self.max_running, self.prefill_chunk = max_running, prefill_chunk
         self.waiting: Deque[Sequence] = deque()
         self.running: List[Sequence] = []  # in order of arrival
@@ -172,17 +183,23 @@ class Scheduler:
                 step.pieces.append(Piece(seq, seq.computed, n, sample=done, all_logits=wanted))
         return step
 
-    def update(self, step: Step) -> None:
-        """After the step has run: its positions are computed; full blocks enter the prefix tree."""
+    def update(self, step: Step) -> List[Tuple[Sequence, int]]:
+        """After the step has run: its positions are computed; full blocks enter the prefix tree.
+
+        Returns:
+            (sequence, i) for each block that entered the tree now: the sequence's i-th block.
+        """
         if self._pinned:
             self.pool.release(self._pinned)
             self._pinned = []
+        entered = []
         for piece in step.pieces:
             seq = piece.seq
             if seq.status != RUNNING or self.pool is None:
                 continue
             seq.computed = piece.start + piece.n
-            self.pool.commit(seq.blocks, seq.tokens, seq.computed)
+            entered += [(seq, i) for i in self.pool.commit(seq.blocks, seq.tokens, seq.computed)]
+        return entered
 
     def _grow_or_preempt(self, step: Step) -> None:
         """Give every decoding sequence a block for its next position, preempting the newest when none is left."""
@@ -234,12 +251,19 @@ class Scheduler:
         taken = [b for b in full + ([partial[0]] if partial else []) if pool.blocks[b].refs == 0]
         if new > pool.available - len(taken):
             return False
+        loaded = []
+        if self.disk is not None and len(full) < limit // pool.block_size:
+            # Only once the sequence is sure to be placed: a waiting one would read the same files every step.
+            loaded = self.disk.load(seq.tokens, seq.block_keys, len(full), limit // pool.block_size)
+            if loaded:
+                partial = None  # it was the start of the block after `full`, which now comes from disk
         pool.hold(full)
-        reused = len(full) * pool.block_size
+        reused = (len(full) + len(loaded)) * pool.block_size
         if partial is not None:
             pool.hold([partial[0]])  # until the copy has run, so that allocating cannot take it back
             self._pinned.append(partial[0])
         seq.blocks = full + pool.allocate(new)
+        step.loads += zip(seq.blocks[len(full) : len(full) + len(loaded)], loaded)
         if partial is not None:
             step.copies.append((partial[0], seq.blocks[len(full)], partial[1]))
             reused += partial[1]
