@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from helpers import Always, build, write_tiny
+from helpers import Always, assert_one_line_error, build, chat, generate, generate_json, run, write_tiny
 from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
 from llama.nn.session import Session
@@ -211,3 +211,30 @@ def test_requests_that_cannot_speculate_are_refused(tiny_ckpt):
         llama.generate([[1, 2, 3]], 4, speculate="draft")
     with pytest.raises(LlamaError, match="draft_tokens= takes a whole number from 1 to 16"):
         llama.generate([[1, 2, 3]], 4, speculate="ngram", draft_tokens=0)
+
+
+@pytest.mark.slow
+def test_the_commands_speculate_and_print_the_plain_text(nonstop_ckpt):
+    flags = ["--prompt", "one two three one two three one two", "--max-gen-len", "40", "--max-seq-len", "64"]
+    plain = generate_json(nonstop_ckpt, *flags, max_gen_len=40)
+    spec = generate_json(nonstop_ckpt, *flags, "--speculate", "ngram", "--draft-tokens", "3", max_gen_len=40)
+    assert spec[0]["tokens"] == plain[0]["tokens"] and spec[0]["text"] == plain[0]["text"]
+    torch.testing.assert_close(torch.tensor(spec[0]["logprobs"]), torch.tensor(plain[0]["logprobs"]), rtol=0, atol=1e-5)
+    counts = spec[0]["speculation"]
+    assert counts["checks"] + counts["plain_steps"] >= 1 and counts["accepted"] <= counts["drafted"]
+    stats = generate(nonstop_ckpt, *flags, "--speculate", "ngram", "--stats")
+    assert stats.returncode == 0 and "speculation:     ngram, drafts of up to 4 tokens: " in stats.stderr
+    messages = "hello there\nsay that again\n"
+    assert (chat(nonstop_ckpt, "--speculate", "ngram", "--max-gen-len", "16", input=messages).stdout
+            == chat(nonstop_ckpt, "--max-gen-len", "16", input=messages).stdout)
+
+
+@pytest.mark.slow
+def test_the_commands_refuse_speculation_they_cannot_run_in_one_line(gqa_ckpt):
+    assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--speculate", "draft"), "--speculate takes ngram, not 'draft'")
+    assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--speculate", "ngram", "--draft-tokens", "0"),
+                          "--draft-tokens takes a whole number from 1 to 16, not 0")
+    assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--speculate", "ngram", "--no-kv-cache"),
+                          "it cannot run with --no-kv-cache")
+    assert_one_line_error(run("llama-chat", "--ckpt-dir", gqa_ckpt, "--speculate", "ngram", "--no-kv-cache", input=""),
+                          "it cannot run with --no-kv-cache")

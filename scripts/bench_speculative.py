@@ -1,0 +1,89 @@
+"""Decode speed with and without speculative decoding (prompt lookup), on the prompts shipped in data/speculative/.
+
+    python scripts/bench_speculative.py [--quantize none,int8,int4] [--draft_tokens 4] [--max_gen_len 128]
+        [--threads 2] [--limit N] [--kinds grounded,chat]
+
+The default model (SmolLM2-135M-Instruct) answers every prompt in its chat format, greedily, at batch 1, with the
+stored compiled steps (built before any timing), once plainly and once with `speculate="ngram"`, the two runs
+alternating so that drift in the machine's speed hits both alike. Every speculative answer must equal the plain
+one token for token (the script stops otherwise). Decode tokens/s counts the tokens after the first, timed with a
+timestamp per token, summed over a kind's prompts; "kept" is the share of drafted tokens kept, and "a check" the
+tokens a checking step yields (the drafted tokens kept and the model's own after them).
+
+data/speculative/grounded.jsonl holds input-grounded prompts (passages of Alice's Adventures in Wonderland to
+repeat, rewrite or summarise; functions of this project to edit or explain), chat.jsonl open-ended ones.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from llama import Llama
+from llama.convert.fetch import default_model_dir
+from llama.speculative import SpeculationStats
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "speculative"
+
+
+def timed(llama: Llama, prompt, max_gen_len: int, **kwargs):
+    """(tokens, decode seconds after the first token) of one greedy answer."""
+    stamps = []
+    (tokens,), _ = llama.generate([prompt], max_gen_len, temperature=0, on_step=lambda *_: stamps.append(time.perf_counter()),
+                                  **kwargs)
+    return tokens, (stamps[-1] - stamps[0] if len(stamps) > 1 else 0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quantize", default="none,int8,int4")
+    parser.add_argument("--draft_tokens", type=int, default=4)
+    parser.add_argument("--max_gen_len", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--limit", type=int, default=0, help="prompts of each kind (0: all)")
+    parser.add_argument("--kinds", default="grounded,chat")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for quantize in args.quantize.split(","):
+        llama = Llama.build(default_model_dir(), max_seq_len=2048, max_batch_size=1, compile=True,
+                            quantize=None if quantize == "none" else quantize)
+        warm = llama.dialog_tokens([{"role": "user", "content": "one two three one two three one two three"}])
+        llama.generate([warm], 16, temperature=0, speculate="ngram", draft_tokens=args.draft_tokens)  # builds its step
+        for kind in args.kinds.split(","):
+            records = [json.loads(line) for line in (DATA / f"{kind}.jsonl").read_text(encoding="utf-8").splitlines()]
+            records = records[: args.limit] if args.limit else records
+            plain_s = spec_s = 0.0
+            plain_n = spec_n = 0
+            stats = SpeculationStats()
+            for i, record in enumerate(records):
+                prompt = llama.dialog_tokens(record["messages"])
+                order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+                out = {}
+                for which in order:
+                    kwargs = {"speculate": "ngram", "draft_tokens": args.draft_tokens} if which == "spec" else {}
+                    out[which] = timed(llama, prompt, args.max_gen_len, **kwargs)
+                    if which == "spec":
+                        stats.add(llama.last_speculation)
+                if out["spec"][0] != out["plain"][0]:
+                    raise SystemExit(f"{quantize} {kind} prompt {i}: speculation changed the answer")
+                plain_s += out["plain"][1]
+                spec_s += out["spec"][1]
+                plain_n += len(out["plain"][0]) - 1
+                spec_n += len(out["spec"][0]) - 1
+            plain_tps, spec_tps = plain_n / plain_s, spec_n / spec_s
+            rows.append((quantize, kind, len(records), plain_tps, spec_tps, stats))
+            print(f"{quantize:>5} {kind:>8}: {plain_tps:6.1f} -> {spec_tps:6.1f} tokens/s ({spec_tps / plain_tps:.2f}x), "
+                  f"{stats.describe()}", flush=True)
+    print("\n| weights | prompts | plain tokens/s | speculative tokens/s | speedup | drafted tokens kept | tokens a check |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for quantize, kind, n, plain_tps, spec_tps, stats in rows:
+        weights = "float32" if quantize == "none" else quantize
+        print(f"| {weights} | {kind} ({n}) | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f}x | "
+              f"{stats.acceptance:.0%} | {stats.tokens_per_check:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
