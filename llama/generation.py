@@ -426,7 +426,7 @@ class Llama:
         logprobs: bool = False,
         echo: bool = False,
         kv_cache: bool = True,
-        speculate: Optional[str] = None,
+        speculate: Union[str, Drafter, None] = None,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ) -> List[CompletionPrediction]:
         """Continue each text prompt; see `generate` for the arguments.
@@ -460,7 +460,7 @@ class Llama:
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
         kv_cache: bool = True,
-        speculate: Optional[str] = None,
+        speculate: Union[str, Drafter, None] = None,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ) -> List[ChatPrediction]:
         """The assistant's next message for each dialog, in the tokenizer's chat format (LLaMA-2's or ChatML).

@@ -22,7 +22,8 @@ from typing import Callable, Dict, List, Optional, Protocol, Set, Tuple, Union
 import torch
 
 from llama.errors import LlamaError
-from llama.sampling import accept_draft, logprobs_of, sample_one
+from llama.nn.session import common_prefix_len
+from llama.sampling import accept_draft, logprobs_of, sample_one, sampling_probs
 
 METHODS = ("ngram",)
 # Tokens a draft holds at most, by default: the step that checks them feeds one more (scripts/bench_speculative.py).
@@ -66,7 +67,7 @@ class PromptLookup:
     tokens, for n from `max_ngram` down to `min_ngram`.
 
     The n-grams are indexed as the sequence grows, so a draft costs a few dictionary lookups however long it is.
-    One instance follows one sequence, which only grows.
+    The index follows one list as it grows; given another list, it starts over.
     """
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
@@ -75,10 +76,14 @@ class PromptLookup:
         self.sizes = range(max_ngram, min_ngram - 1, -1)
         self._latest: Dict[int, Dict[Tuple[int, ...], int]] = {n: {} for n in self.sizes}  # n-gram -> where it ended
         self._indexed = 0  # n-grams ending before this position are in the index
+        self._tokens: Optional[List[int]] = None  # the sequence indexed, which only grows
 
     def draft(self, tokens: List[int], k: int) -> List[int]:
         """Up to k tokens to follow `tokens`; none where its last n tokens occurred nowhere before."""
         end = len(tokens)
+        if tokens is not self._tokens or end < self._indexed:  # another sequence: index it from the start
+            self._tokens, self._indexed = tokens, 0
+            self._latest = {n: {} for n in self.sizes}
         for e in range(max(self._indexed, 1), end):  # every n-gram that ends before the last token's end
             for n in self.sizes:
                 if e >= n:
@@ -93,10 +98,85 @@ class PromptLookup:
 
 
 class Drafter(Protocol):
-    """Where drafts come from: `PromptLookup`, or any object with this method."""
+    """Where drafts come from: `PromptLookup`, `DraftModel`, or any object with this method.
+
+    A drafter that samples its drafts also has `sample_with(temperature, top_p, generator)`, called before a
+    sequence's first draft, and leaves in `last_probs` the distribution each drafted token was drawn from, which the
+    rule of speculative sampling needs (`llama.sampling.accept_draft`)."""
 
     def draft(self, tokens: List[int], k: int) -> List[int]:
         """Up to k tokens likely to follow `tokens` (the prompt and the output so far); none to take a plain step."""
+
+
+class DraftModel:
+    """Drafts with a second, smaller model that shares the target's tokenizer: the tokens it would generate next.
+
+    It keeps a KV cache of its own and the tokens it holds; each draft first feeds what changed since the last one
+    (the target's correction and the tokens after it), so rejected drafts cost nothing to roll back. An int4 copy of
+    the target itself (`Llama.build(..., quantize="int4")`) is a draft model every user has.
+
+    Args:
+        draft: a `Llama` (its `model`, `tokenizer` and `compiled_step`): its one-token steps run compiled where it
+            was built so.
+        target: the `Llama` whose drafts it makes, to check that the two share a vocabulary.
+
+    Raises:
+        LlamaError: the two models' vocabularies differ.
+    """
+
+    def __init__(self, draft, target):
+        a, b = draft.tokenizer, target.tokenizer
+        if (draft.model.params.vocab_size, a.bos_id, a.eos_id) != (target.model.params.vocab_size, b.bos_id, b.eos_id) \
+                or a.n_words != b.n_words:
+            raise LlamaError(f"the draft model's vocabulary ({a.n_words} tokens, bos {a.bos_id}, eos {a.eos_id}) is not "
+                             f"the model's ({b.n_words} tokens, bos {b.bos_id}, eos {b.eos_id}): a draft model must "
+                             "share the model's tokenizer")
+        self.llama = draft
+        self.cache = None
+        self.held: List[int] = []  # tokens whose keys and values the cache holds, in order
+        self.temperature, self.top_p, self.generator = 0.0, 1.0, None
+        self.last_probs: Optional[List[torch.Tensor]] = None
+
+    def sample_with(self, temperature: float, top_p: float, generator: Optional[torch.Generator]) -> None:
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+
+    def draft(self, tokens: List[int], k: int) -> List[int]:
+        model = self.llama.model
+        size = model.params.max_seq_len
+        if self.cache is None:
+            self.cache = model.new_kv_cache(1, size)
+        k = min(k, size - len(tokens))
+        if k < 1:
+            return []
+        start = min(common_prefix_len(self.held, tokens), len(tokens) - 1)  # the last token is always fed
+        with torch.inference_mode():
+            logits = self._feed(tokens[start:], start)
+            drafted: List[int] = []
+            probs: List[torch.Tensor] = []
+            for i in range(k):
+                if self.temperature > 0:
+                    p = sampling_probs(logits, self.temperature, self.top_p)
+                    token = int(torch.multinomial(p, 1, generator=self.generator))
+                    probs.append(p)
+                else:
+                    token = int(torch.argmax(logits))
+                drafted.append(token)
+                if i < k - 1:
+                    logits = self._feed([token], len(tokens) + i)
+        self.held = list(tokens) + drafted[:-1]
+        self.last_probs = probs if self.temperature > 0 else None
+        return drafted
+
+    def _feed(self, tokens: List[int], start: int) -> torch.Tensor:
+        """(vocab,) the draft model's logits after feeding `tokens` at `start`: a token or two through its one-token
+        step (compiled where it is), more (a prompt) in one eager step."""
+        model, step = self.llama.model, self.llama.compiled_step
+        ids = torch.tensor([tokens], dtype=torch.long, device=model.device)
+        if len(tokens) > 2 or step is None:
+            return model(ids, start, self.cache, num_logits=1)[0, -1]
+        for i in range(len(tokens)):
+            logits = step(ids[:, i : i + 1], start + i, self.cache, num_logits=1)
+        return logits[0, -1]
 
 
 def new_drafter(speculate: Union[str, Drafter]) -> Drafter:
@@ -159,6 +239,8 @@ class Speculation:
             never fed).
         """
         seq = tokens[0, :prompt_len].tolist()
+        if hasattr(self.drafter, "sample_with"):
+            self.drafter.sample_with(temperature, top_p, generator)
         stop = False
         logits = forward(fed, prompt_len, prompt_len - fed if token_logprobs is not None else 1, True)[0]
         if token_logprobs is not None and prompt_len - fed > 1:
@@ -194,9 +276,11 @@ class Speculation:
             # Padded to one size of step (the compiled one); the padding's rows are never read.
             tokens[0, fed + 1 : fed + n] = torch.tensor(draft + draft[-1:] * (self.k - len(draft)), device=tokens.device)
             last_logits = forward(fed, fed + n, n, False)[0]
+            q = getattr(self.drafter, "last_probs", None)
             new = []
             for i, drafted in enumerate(draft):
-                replacement = accept_draft(last_logits[i], drafted, temperature, top_p, generator)
+                replacement = accept_draft(last_logits[i], drafted, temperature, top_p, generator,
+                                           draft_probs=q[i] if q else None)
                 if replacement is not None:
                     new.append(replacement)
                     break

@@ -1,14 +1,15 @@
 """Decode speed with and without speculative decoding (prompt lookup), on the prompts shipped in data/speculative/.
 
     python scripts/bench_speculative.py [--quantize none,int8,int4] [--draft_tokens 4] [--max_gen_len 128]
-        [--threads 2] [--limit N] [--kinds grounded,chat]
+        [--threads 2] [--limit N] [--kinds grounded,chat] [--draft_quantize int4]
 
 The default model (SmolLM2-135M-Instruct) answers every prompt in its chat format, greedily, at batch 1, with the
 stored compiled steps (built before any timing), once plainly and once with `speculate="ngram"`, the two runs
 alternating so that drift in the machine's speed hits both alike. Every speculative answer must equal the plain
 one token for token (the script stops otherwise). Decode tokens/s counts the tokens after the first, timed with a
 timestamp per token, summed over a kind's prompts; "kept" is the share of drafted tokens kept, and "a check" the
-tokens a checking step yields (the drafted tokens kept and the model's own after them).
+tokens a checking step yields (the drafted tokens kept and the model's own after them). With --draft_quantize, a
+third run drafts with a copy of the model quantized so (`DraftModel`, `--draft-model`) instead of prompt lookup.
 
 data/speculative/grounded.jsonl holds input-grounded prompts (passages of Alice's Adventures in Wonderland to
 repeat, rewrite or summarise; functions of this project to edit or explain), chat.jsonl open-ended ones.
@@ -23,7 +24,7 @@ import torch
 
 from llama import Llama
 from llama.convert.fetch import default_model_dir
-from llama.speculative import SpeculationStats
+from llama.speculative import DraftModel, SpeculationStats
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "speculative"
 
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--limit", type=int, default=0, help="prompts of each kind (0: all)")
     parser.add_argument("--kinds", default="grounded,chat")
+    parser.add_argument("--draft_quantize", default=None, help="also draft with a copy of the model quantized so")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -52,36 +54,45 @@ def main() -> None:
                             quantize=None if quantize == "none" else quantize)
         warm = llama.dialog_tokens([{"role": "user", "content": "one two three one two three one two three"}])
         llama.generate([warm], 16, temperature=0, speculate="ngram", draft_tokens=args.draft_tokens)  # builds its step
+        draft = None
+        if args.draft_quantize:
+            draft = Llama.build(default_model_dir(), max_seq_len=2048, max_batch_size=1, compile=True,
+                                quantize=args.draft_quantize)
+        ways = {"spec": lambda: {"speculate": "ngram", "draft_tokens": args.draft_tokens}}
+        if draft is not None:
+            ways["draft"] = lambda: {"speculate": DraftModel(draft, llama), "draft_tokens": args.draft_tokens}
         for kind in args.kinds.split(","):
             records = [json.loads(line) for line in (DATA / f"{kind}.jsonl").read_text(encoding="utf-8").splitlines()]
             records = records[: args.limit] if args.limit else records
-            plain_s = spec_s = 0.0
-            plain_n = spec_n = 0
-            stats = SpeculationStats()
+            seconds = {w: 0.0 for w in ["plain", *ways]}
+            counts = {w: 0 for w in seconds}
+            stats = {w: SpeculationStats() for w in ways}
             for i, record in enumerate(records):
                 prompt = llama.dialog_tokens(record["messages"])
-                order = ("plain", "spec") if i % 2 == 0 else ("spec", "plain")
+                order = list(seconds) if i % 2 == 0 else list(seconds)[::-1]
                 out = {}
                 for which in order:
-                    kwargs = {"speculate": "ngram", "draft_tokens": args.draft_tokens} if which == "spec" else {}
-                    out[which] = timed(llama, prompt, args.max_gen_len, **kwargs)
-                    if which == "spec":
-                        stats.add(llama.last_speculation)
-                if out["spec"][0] != out["plain"][0]:
-                    raise SystemExit(f"{quantize} {kind} prompt {i}: speculation changed the answer")
-                plain_s += out["plain"][1]
-                spec_s += out["spec"][1]
-                plain_n += len(out["plain"][0]) - 1
-                spec_n += len(out["spec"][0]) - 1
-            plain_tps, spec_tps = plain_n / plain_s, spec_n / spec_s
-            rows.append((quantize, kind, len(records), plain_tps, spec_tps, stats))
-            print(f"{quantize:>5} {kind:>8}: {plain_tps:6.1f} -> {spec_tps:6.1f} tokens/s ({spec_tps / plain_tps:.2f}x), "
-                  f"{stats.describe()}", flush=True)
-    print("\n| weights | prompts | plain tokens/s | speculative tokens/s | speedup | drafted tokens kept | tokens a check |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for quantize, kind, n, plain_tps, spec_tps, stats in rows:
+                    out[which] = timed(llama, prompt, args.max_gen_len, **(ways[which]() if which in ways else {}))
+                    if which in ways:
+                        stats[which].add(llama.last_speculation)
+                for which in ways:
+                    if out[which][0] != out["plain"][0]:
+                        raise SystemExit(f"{quantize} {kind} prompt {i}: {which} changed the answer")
+                for which in seconds:
+                    seconds[which] += out[which][1]
+                    counts[which] += len(out[which][0]) - 1
+            tps = {w: counts[w] / seconds[w] for w in seconds}
+            for which in ways:
+                rows.append((quantize, kind, which, len(records), tps["plain"], tps[which], stats[which]))
+                print(f"{quantize:>5} {kind:>8} {which:>5}: {tps['plain']:6.1f} -> {tps[which]:6.1f} tokens/s "
+                      f"({tps[which] / tps['plain']:.2f}x), {stats[which].describe()}", flush=True)
+    print("\n| weights | prompts | drafts | plain tokens/s | speculative tokens/s | speedup | drafted tokens kept | "
+          "tokens a check |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for quantize, kind, which, n, plain_tps, spec_tps, stats in rows:
         weights = "float32" if quantize == "none" else quantize
-        print(f"| {weights} | {kind} ({n}) | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f}x | "
+        drafts = "prompt lookup" if which == "spec" else f"{args.draft_quantize} copy"
+        print(f"| {weights} | {kind} ({n}) | {drafts} | {plain_tps:.1f} | {spec_tps:.1f} | {spec_tps / plain_tps:.2f}x | "
               f"{stats.acceptance:.0%} | {stats.tokens_per_check:.2f} |")
 
 

@@ -16,7 +16,7 @@ from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
 from llama.nn.session import Session
 from llama.sampling import accept_draft, sample_top_p, sampling_probs
-from llama.speculative import PromptLookup, Speculation
+from llama.speculative import DraftModel, PromptLookup, Speculation
 
 PROMPTS = [[1, 5, 6, 7, 8, 5, 6, 7, 9, 10, 5, 6], [1, 300, 301, 302, 300, 301], [1], [1, 900, 901, 902, 903, 904, 905]]
 
@@ -142,6 +142,29 @@ def test_chat_replies_are_the_same_with_speculation(tmp_path):
         assert b.tokens == a.tokens and b.text == a.text
 
 
+@pytest.mark.parametrize("target_quantize, draft_quantize", [(None, "int8"), ("int8", "int4")])
+def test_a_draft_model_gives_the_plain_tokens(tiny_ckpt, target_quantize, draft_quantize):
+    """An int8 (or int4) copy of the model drafts: the plain decode's tokens, and on the integer kernels its bits."""
+    target = build(tiny_ckpt, max_seq_len=96, quantize=target_quantize)
+    draft = build(tiny_ckpt, max_seq_len=96, quantize=draft_quantize)
+    plain, plain_lp = target.generate(PROMPTS, 50, temperature=0, logprobs=True, ignore_stop=True)
+    spec, spec_lp = target.generate(PROMPTS, 50, temperature=0, logprobs=True, ignore_stop=True,
+                                    speculate=DraftModel(draft, target), draft_tokens=4)
+    stats = target.last_speculation
+    assert spec == plain and stats.checks > 10 and 0 < stats.accepted < stats.drafted
+    if target_quantize:
+        assert spec_lp == plain_lp
+    else:
+        for a, b in zip(spec_lp, plain_lp):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_ckpt, tmp_path):
+    other, _ = write_tiny(tmp_path / "other", "gqa", vocab_size=4096)
+    with pytest.raises(LlamaError, match="a draft model must share the model's tokenizer"):
+        DraftModel(build(other), build(tiny_ckpt))
+
+
 def test_sampling_probs_is_the_distribution_sample_top_p_draws_from():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(50, generator=gen) * 2
@@ -193,14 +216,16 @@ def test_at_temperature_the_tokens_are_distributed_as_the_plain_sampler_s(tmp_pa
     plain = draws()
     second = Counter(t[1] for t in plain)
     favourite = second.most_common(1)[0][0]
-    spec = draws(speculate=Fixed([favourite, favourite]), draft_tokens=2)
     assert 0.2 < second[favourite] / n < 0.8  # a drafted token the model often rejects
-    # Two plain runs of 400 other seeds each lay 0.05-0.07 apart at position 1 and 0.08-0.11 at position 2, where
-    # the model chooses among about 30 tokens.
-    for position, bound in ((1, 0.12), (2, 0.18)):
-        a, b = Counter(t[position] for t in plain), Counter(t[position] for t in spec)
-        tv = sum(abs(a[x] - b[x]) for x in set(a) | set(b)) / (2 * n)
-        assert tv < bound, (position, tv)
+    # A draft model samples its drafts: an int4 copy of the model, whose distribution is near the model's but not it.
+    draft = DraftModel(build(path, max_seq_len=32, quantize="int4"), llama)
+    for spec in (draws(speculate=Fixed([favourite, favourite]), draft_tokens=2), draws(speculate=draft, draft_tokens=2)):
+        # Two plain runs of 400 other seeds each lay 0.05-0.07 apart at position 1 and 0.08-0.11 at position 2,
+        # where the model chooses among about 30 tokens.
+        for position, bound in ((1, 0.12), (2, 0.18)):
+            a, b = Counter(t[position] for t in plain), Counter(t[position] for t in spec)
+            tv = sum(abs(a[x] - b[x]) for x in set(a) | set(b)) / (2 * n)
+            assert tv < bound, (position, tv)
 
 
 def test_requests_that_cannot_speculate_are_refused(tiny_ckpt):
@@ -224,6 +249,9 @@ def test_the_commands_speculate_and_print_the_plain_text(nonstop_ckpt):
     assert counts["checks"] + counts["plain_steps"] >= 1 and counts["accepted"] <= counts["drafted"]
     stats = generate(nonstop_ckpt, *flags, "--speculate", "ngram", "--stats")
     assert stats.returncode == 0 and "speculation:     ngram, drafts of up to 4 tokens: " in stats.stderr
+    drafted = generate_json(nonstop_ckpt, *flags, "--draft-model", nonstop_ckpt, "--draft-quantize", "int8",
+                            max_gen_len=40)
+    assert drafted[0]["tokens"] == plain[0]["tokens"] and drafted[0]["speculation"]["accepted"] > 0
     messages = "hello there\nsay that again\n"
     assert (chat(nonstop_ckpt, "--speculate", "ngram", "--max-gen-len", "16", input=messages).stdout
             == chat(nonstop_ckpt, "--max-gen-len", "16", input=messages).stdout)
@@ -237,4 +265,9 @@ def test_the_commands_refuse_speculation_they_cannot_run_in_one_line(gqa_ckpt):
     assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--speculate", "ngram", "--no-kv-cache"),
                           "it cannot run with --no-kv-cache")
     assert_one_line_error(run("llama-chat", "--ckpt-dir", gqa_ckpt, "--speculate", "ngram", "--no-kv-cache", input=""),
+                          "it cannot run with --no-kv-cache")
+    assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--speculate", "ngram", "--draft-model", gqa_ckpt),
+                          "two ways to draft; give one")
+    assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--draft-quantize", "int4"), "--draft-quantize")
+    assert_one_line_error(generate(gqa_ckpt, "--prompt", "a", "--draft-model", gqa_ckpt, "--no-kv-cache"),
                           "it cannot run with --no-kv-cache")

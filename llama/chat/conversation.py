@@ -12,7 +12,7 @@ message too long to fit is refused whole: nothing is ever cut inside a message.
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from llama.dialog import Dialog, Message
 from llama.errors import LlamaError
@@ -20,7 +20,7 @@ from llama.generation import Llama, StepCallback
 from llama.io.identity import describe_model, model_identity
 from llama.io.prompt_cache import load_prompt_cache, restore, save_prompt_cache
 from llama.nn.session import Session
-from llama.speculative import DEFAULT_DRAFT_TOKENS, check_speculation
+from llama.speculative import DEFAULT_DRAFT_TOKENS, Drafter, check_speculation
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Conversation:
     """
 
     def __init__(self, llama: Llama, system: Optional[str] = None, max_gen_len: int = 512, kv_cache: bool = True,
-                 speculate: Optional[str] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+                 speculate: Union[str, Drafter, None] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
         check_speculation(speculate, draft_tokens, kv_cache)
         self.llama = llama
         self.speculate, self.draft_tokens = speculate, draft_tokens

@@ -8,7 +8,8 @@ from typing import List, Optional
 from llama.dialog import has_special_tags
 from llama.cli.common import as_flags, fail, run
 from llama.cli.flags import with_model_flags
-from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
+from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, describe_speculation, is_main_rank,
+                               model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
 from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
@@ -60,6 +61,8 @@ def main(
     quant_kernels: str = "integer",
     model: str = None,
     speculate: str = None,
+    draft_model: str = None,
+    draft_quantize: str = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ):
     """Chat with a LLaMA model in the terminal.
@@ -98,8 +101,10 @@ def main(
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
+    check_draft_flags(speculate, draft_model, draft_quantize)
     try:
-        check_speculation(speculate, draft_tokens, kv_cache=not no_kv_cache)
+        check_speculation(speculate or (None if draft_model is None else "ngram"), draft_tokens,
+                          kv_cache=not no_kv_cache)
     except LlamaError as e:
         fail(as_flags(str(e)))
     if session is not None and no_kv_cache:
@@ -113,8 +118,10 @@ def main(
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)
     kv = "off" if no_kv_cache else f"on, {describe_kv_cache(llama.model.dtype, llama.model.kv_cache_nbytes(1, 1))}"
+    drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
+                                     compile_flag(compile, no_compile, no_kv_cache), quant_kernels)
     chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache,
-                        speculate=speculate, draft_tokens=draft_tokens)
+                        speculate=drafter, draft_tokens=draft_tokens)
     if session is not None and Path(session).exists():
         try:
             n = chat.resume(Path(session))
@@ -175,7 +182,7 @@ def main(
                 print(f"(prompt {len(turn.prompt)} tokens: {reply.reused} reused from the cache, {reply.prefilled} "
                       f"prefilled in {1000 * (times[0] - t0):.0f} ms; {rate:.1f} tokens/s; "
                       f"kv cache {kv}"
-                      + (f"; speculation: {llama.last_speculation.describe()}" if speculate else "") + ")",
+                      + (f"; speculation: {llama.last_speculation.describe()}" if drafter is not None else "") + ")",
                       file=sys.stderr)
         if session is not None:
             chat.save(Path(session))

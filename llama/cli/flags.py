@@ -26,6 +26,11 @@ SPECULATION_FLAGS = {
                  "last few tokens, in the prompt or the output so far) and check each draft in one step: at "
                  "temperature 0 exactly the plain decode's text, faster where the output repeats the input "
                  "(summaries, edits, code); above it the same distribution. Needs the KV cache.",
+    "draft_model": "draft with a second, smaller model that shares the model's tokenizer (a checkpoint directory, "
+                   "GGUF or Hugging Face folder; 'default' for the default model), checked in one step as --speculate "
+                   "ngram's drafts are: the same text. The model's own checkpoint with --draft-quantize int4 is a "
+                   "draft model every user has.",
+    "draft_quantize": "int8 or int4: quantize the draft model as it loads.",
     "draft_tokens": "the most tokens a draft holds (1-16; default 4).",
 }
 SPECULATION_MARKER = "<speculation flags>"

@@ -8,7 +8,8 @@ from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_numbers
 from llama.cli.flags import with_model_flags
-from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
+from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, describe_speculation, is_main_rank,
+                               model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
 from llama.errors import LlamaError
 from llama.sampling import check_sampling
@@ -70,6 +71,8 @@ def main(
     model: str = None,
     precompile=False,
     speculate: str = None,
+    draft_model: str = None,
+    draft_quantize: str = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
 ):
     """Continue text prompts with a LLaMA model.
@@ -136,8 +139,10 @@ def main(
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
+    check_draft_flags(speculate, draft_model, draft_quantize)
     try:
-        check_speculation(speculate, draft_tokens, kv_cache=not no_kv_cache)
+        check_speculation(speculate or (None if draft_model is None else "ngram"), draft_tokens,
+                          kv_cache=not no_kv_cache)
     except LlamaError as e:
         fail(as_flags(str(e)))
     if len(prompts) > max_batch_size:
@@ -152,6 +157,8 @@ def main(
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=seed, device=device,
                              dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache), quantize=quantize,
                              quant_kernels=quant_kernels, compile_batch_size=len(prompts))
+    drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
+                                     compile_flag(compile, no_compile, no_kv_cache), quant_kernels)
     load_s = time.perf_counter() - load_start
     if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")
@@ -184,7 +191,7 @@ def main(
     out_tokens, out_logprobs = llama.generate(
         prompt_tokens, max_gen_len, temperature, top_p, logprobs=logprobs, echo=echo,
         kv_cache=not no_kv_cache, on_step=on_step, session=cached.session if cached else None,
-        speculate=speculate, draft_tokens=draft_tokens,
+        speculate=drafter, draft_tokens=draft_tokens,
     )
     end = time.perf_counter()
     if cached is not None:
@@ -202,7 +209,7 @@ def main(
                       "timings": timings}
             if logprobs:
                 record["logprobs"] = out_logprobs[i]
-            if speculate is not None and len(prompts) == 1:
+            if drafter is not None and len(prompts) == 1:
                 spec = llama.last_speculation
                 record["speculation"] = {"drafted": spec.drafted, "accepted": spec.accepted, "checks": spec.checks,
                                          "plain_steps": spec.plain_steps}
@@ -233,8 +240,8 @@ def main(
             f"phases:          import {started}, load {load_s:.2f} s, "
             f"prefill {timings['prefill_s']:.2f} s, decode {timings['decode_s']:.2f} s",
         ]
-        if speculate is not None:
-            lines.insert(3, f"speculation:     {speculate}, drafts of up to {draft_tokens} tokens: "
+        if drafter is not None:
+            lines.insert(3, f"speculation:     {describe_speculation(speculate, draft_model, draft_quantize, draft_tokens)}: "
                             f"{llama.last_speculation.describe()}")
         if cached is not None:
             lines.insert(3, f"prompt cache:    {cached.session.last_reused} tokens reused, "

@@ -100,6 +100,41 @@ def _is_big(ckpt_dir: Optional[str]) -> bool:
     return sum(p.stat().st_size for p in Path(ckpt_dir).glob("consolidated.*.pth")) > 2**30
 
 
+def check_draft_flags(speculate: Optional[str], draft_model: Optional[str], draft_quantize: Optional[str]) -> None:
+    """Refuse, before loading anything, a draft model asked for in a way that cannot run."""
+    if draft_model is not None and speculate is not None:
+        fail("--speculate ngram and --draft-model are two ways to draft; give one")
+    if draft_quantize is not None and draft_model is None:
+        fail("--draft-quantize quantizes the draft model: give it with --draft-model PATH (the model's own "
+             "checkpoint gives an int4 copy of it: --draft-model MODEL --draft-quantize int4)")
+
+
+def speculation_from_flags(llama: Llama, speculate: Optional[str], draft_model: Optional[str],
+                           draft_quantize: Optional[str], device: Optional[str], dtype: Optional[str],
+                           compile: Union[bool, str], quant_kernels: str):
+    """What `Llama.generate(speculate=...)` takes for the flags: None, "ngram", or a `DraftModel` over the draft
+    checkpoint, loaded as the model is (the default model where `--draft-model default`)."""
+    if draft_model is None:
+        return speculate
+    from llama.speculative import DraftModel
+
+    path = None if str(draft_model) == "default" else str(draft_model)
+    draft = build_from_flags(path, None, llama.model.params.max_seq_len, 1, seed=1, device=device, dtype=dtype,
+                             compile=compile, quantize=draft_quantize, quant_kernels=quant_kernels)
+    try:
+        return DraftModel(draft, llama)
+    except LlamaError as e:
+        fail(str(e))
+
+
+def describe_speculation(speculate: Optional[str], draft_model: Optional[str], draft_quantize: Optional[str],
+                         draft_tokens: int) -> str:
+    """--stats' words for how drafts were made: "ngram, drafts of up to 4 tokens"."""
+    how = speculate if draft_model is None else \
+        f"draft model {draft_model}" + (f" ({draft_quantize})" if draft_quantize else "")
+    return f"{how}, drafts of up to {draft_tokens} tokens"
+
+
 def is_main_rank(llama: Llama) -> bool:
     """Under torchrun every rank computes the same tokens; only rank 0 prints them."""
     return llama.info.rank == 0

@@ -47,6 +47,7 @@ PACKAGE = "step.pt2"
 META = "meta.json"
 # Caches of every length from 2 positions up share one package; generate() never decodes with a shorter one.
 _MIN_CACHE, _MAX_CACHE = 2, 1 << 20
+_BUILDING = threading.Lock()  # held while a package is exported and compiled
 # The most tokens one step that verifies a speculative draft feeds (llama/speculative.py): its packages are one per count.
 MAX_VERIFY_TOKENS = 17
 _SOURCES = Path(__file__).resolve().parents[1]  # the whole llama package
@@ -360,7 +361,14 @@ class _StoredSteps:
 
     def _build(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str,
                progress: Optional[Progress] = None) -> None:
-        """Export and compile the step into a new directory beside `directory`, then rename it into place."""
+        """Export and compile the step into a new directory beside `directory`, then rename it into place; one build
+        at a time in a process (two models' steps, a draft model's beside the model's, would otherwise be exported
+        at once, and torch's export is not safe to run on two threads)."""
+        with _BUILDING:
+            self._build_now(directory, fields, args, dynamic_shapes, what, progress)
+
+    def _build_now(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str,
+                   progress: Optional[Progress] = None) -> None:
         import torch._inductor  # only to build: loading a package needs none of it
 
         quiet_inductor()
