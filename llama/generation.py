@@ -171,8 +171,8 @@ class Llama:
                 paths, which multiply the activations as they are by the dequantized weights.
             kv_cache_dtype: what the KV cache holds keys and values in: "auto" or None (the model's dtype),
                 "float32", "bfloat16", or "int8" (blocks of 32 along head_dim with a float32 scale each;
-                llama/kv_cache.py). The uncached pass rounds its keys and values alike, so the cache never changes
-                the answer. Another dtype than the model's runs the decode step eagerly (compile=True is refused).
+                llama/kv_cache.py). The uncached pass rounds its keys and values alike (the same bits on the
+                integer kernels). Another dtype than the model's runs the decode step eagerly (compile=True is refused).
 
         A checkpoint stored in bfloat16 whose float32 copy would not fit in memory runs in bfloat16 on the
         CPU when no dtype is given; `info.notes` then says so. It also says when quantized layers will run

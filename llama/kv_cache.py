@@ -10,8 +10,8 @@ Either may hold keys and values in a dtype other than the model's (`--kv-cache-d
 rounded on write, or int8 in blocks of 32 along head_dim with one float32 scale each (llama.cpp's Q8_0 rule:
 scale = max|x| / 127, q = round(x / scale)). An int8 row holds its head_dim values and then its scales' bytes,
 so every tensor of the cache stays one int8 tensor that copies, gathers and files take as they are. Attention
-reads the rows dequantized; the uncached pass rounds its keys and values the same way (`round_kv`), so the
-cache still changes the speed and never the answer.
+reads the rows dequantized; the uncached pass rounds its keys and values the same way (`round_kv`): the same bits
+on the integer kernels, where every op is row-exact.
 """
 
 from typing import List, Optional, Sequence, Tuple

@@ -293,7 +293,7 @@ class Transformer(nn.Module):
     def kv_cache_dtype(self) -> torch.dtype:
         """What the model's KV caches hold keys and values in: its own dtype unless set (`Llama.build`'s
         kv_cache_dtype, llama/kv_cache.py). Set to another, the uncached pass rounds its keys and values as such a
-        cache would, so that the cache still never changes the answer."""
+        cache would, so that both paths read the same keys and values."""
         return self._kv_cache_dtype or self.dtype
 
     @kv_cache_dtype.setter

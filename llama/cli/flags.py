@@ -34,7 +34,8 @@ KV_CACHE_DTYPE_FLAG = {
     "kv_cache_dtype": "what the KV cache holds keys and values in: auto (the model's dtype, the default), float32, "
                       "bfloat16, or int8 (blocks of 32 along each head with a float32 scale each: about 3.6 times "
                       "the positions of float32 in the same memory). The run without the cache rounds its keys and "
-                      "values the same way, so the switch still never changes the answer. Not with a dtype other "
+                      "values the same way: bit for bit the same on the integer kernels, within a rounding step "
+                      "elsewhere. Not with a dtype other "
                       "than the model's and --compile: the decode step then runs eagerly.",
 }
 KV_CACHE_DTYPE_MARKER = "<kv cache dtype flag>"
