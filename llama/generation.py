@@ -16,14 +16,15 @@ import torch
 
 from llama.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile.step import CompileFailed, CompiledStep, compile_step, default_compile, eager_note, loads_compiled
+from llama.compile.step import (CompileFailed, CompiledStep, compile_step, default_compile, eager_note,
+                                kv_cache_dtype_note, loads_compiled)
 from llama.convert.cache import resolve_checkpoint
 from llama.runtime.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.runtime.distributed import init_distributed
 from llama.errors import LlamaError
 from llama.sampling import check_sampling, logprobs_of, sample, sample_top_p  # noqa: F401 (Meta's names, here too)
 from llama import kernels
-from llama.kv_cache import KVCache
+from llama.kv_cache import KVCache, resolve_kv_cache_dtype
 from llama.model import Transformer
 from llama.nn.parallel import parallelize
 from llama.nn.session import Session
@@ -123,6 +124,7 @@ class Llama:
         quant_kernels: str = "integer",
         compile_batch_size: int = 1,
         compile_layers: Optional[Union[bool, str]] = None,
+        kv_cache_dtype: Optional[str] = None,
     ) -> "Llama":
         """Load a checkpoint in Meta's layout.
 
@@ -167,6 +169,10 @@ class Llama:
                 tests/kernels/test_int_kernels.py states, not to float32 rounding); where they cannot run (no C++
                 compiler, not x86) the exact paths run and `info.notes` says why. "exact": the weight-only
                 paths, which multiply the activations as they are by the dequantized weights.
+            kv_cache_dtype: what the KV cache holds keys and values in: "auto" or None (the model's dtype),
+                "float32", "bfloat16", or "int8" (blocks of 32 along head_dim with a float32 scale each;
+                llama/kv_cache.py). The uncached pass rounds its keys and values alike (the same bits on the
+                integer kernels). Another dtype than the model's runs the decode step eagerly (compile=True is refused).
 
         A checkpoint stored in bfloat16 whose float32 copy would not fit in memory runs in bfloat16 on the
         CPU when no dtype is given; `info.notes` then says so. It also says when quantized layers will run
@@ -211,6 +217,10 @@ class Llama:
         plan = resolve_plan(model, reader, quantize)
         # Refuse before reading gigabytes that cannot fit.
         dtype, notes = choose_dtype(reader, args, plan, dtype, dtype_given, device, world_size, block_scales)
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        if kv_dtype != dtype and compiled:
+            notes.append(kv_cache_dtype_note(kv_dtype, explicit=(compile and not auto) or compile_layers is True))
+            compile = compiled = False
         integer = any(map(is_linear_weight, plan)) and device.type == "cpu" and quant_kernels == "integer"
         if integer and not kernels.load(progress):
             notes.append(f"the int8/int4 integer kernels cannot run here: {kernels.unavailable_reason()}; quantized "
@@ -219,6 +229,7 @@ class Llama:
             kernels.load(progress)  # float32 products of a few rows on llama_kv.f32_linear (RowsLinear)
         model, layer_plan = load_weights(model, reader, args, plan, rank, world_size, device, dtype, compiled=compiled,
                                          integer=integer, have=Kernels.here(), progress=progress)
+        model.kv_cache_dtype = kv_dtype if kv_dtype != dtype else None  # None: the model's, whatever it becomes
         quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         on_exact_paths = [m for m in quantized if not isinstance(m, DotLinear)]
         if on_exact_paths and device.type == "cpu" and dtype == torch.float32 and not compile:

@@ -5,12 +5,91 @@ and values in fixed-size blocks that many sequences share, each reading its own 
 (vLLM's paged layout): the memory of a server that holds many sequences of different lengths at once.
 Both take per-row positions as a tensor (`update_at`), so one batched step serves rows at different
 positions and no Python number decides where a write goes.
+
+Either may hold keys and values in a dtype other than the model's (`--kv-cache-dtype`): another float dtype,
+rounded on write, or int8 in blocks of 32 along head_dim with one float32 scale each (llama.cpp's Q8_0 rule:
+scale = max|x| / 127, q = round(x / scale)). An int8 row holds its head_dim values and then its scales' bytes,
+so every tensor of the cache stays one int8 tensor that copies, gathers and files take as they are. Attention
+reads the rows dequantized; the uncached pass rounds its keys and values the same way (`round_kv`): the same bits
+on the integer kernels, where every op is row-exact.
 """
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from llama.errors import LlamaError
+
+# --kv-cache-dtype's choices; "auto" is the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+KV_BLOCK = 32  # int8 values that share one scale, along head_dim
+_SCALE = torch.float32  # an int8 block's scale: float32 rather than Q8_0's float16, so no range of activations
+# overflows or underflows it and dequantizing multiplies by exactly the scale the values were rounded with
+
+
+def resolve_kv_cache_dtype(name: Optional[str], model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a KV cache holds keys and values in, from `kv_cache_dtype` ("auto", None: the model's).
+
+    Raises:
+        LlamaError: not one of KV_CACHE_DTYPES.
+    """
+    if name is None or name == "auto":
+        return model_dtype
+    if isinstance(name, torch.dtype) and name in KV_CACHE_DTYPES.values():
+        return name
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise LlamaError(f"kv_cache_dtype={name} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
+def _blocks(head_dim: int) -> int:
+    """int8 blocks a head's row splits into: blocks of 32 where head_dim is a multiple of 32, else the whole head
+    as one block (the tiny test models' heads of 8 or 16)."""
+    return head_dim // KV_BLOCK if head_dim % KV_BLOCK == 0 else 1
+
+
+def kv_row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of `dtype` a cache holds for one head at one position: head_dim, or for int8 head_dim values and
+    then the bytes of their float32 scales."""
+    return head_dim + _blocks(head_dim) * _SCALE.itemsize if dtype == torch.int8 else head_dim
+
+
+def store_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Keys or values (..., head_dim) as a cache of `dtype` holds them: (..., kv_row_width(head_dim, dtype))."""
+    if dtype != torch.int8:
+        return x.to(dtype)
+    blocks = x.float().unflatten(-1, (_blocks(x.shape[-1]), -1))  # (..., n_blocks, block)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale == 0, 0.0, blocks / scale).round().clamp(-127, 127).to(torch.int8).flatten(-2)
+    return torch.cat([q, scale.squeeze(-1).contiguous().view(torch.int8)], dim=-1)  # the scales' bytes after the values
+
+
+def load_kv(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows as `store_kv` gives them, back to (..., head_dim) keys or values in `dtype` (int8: dequantized)."""
+    if rows.dtype != torch.int8:
+        return rows.to(dtype)
+    q = rows[..., :head_dim].unflatten(-1, (_blocks(head_dim), -1))  # (..., n_blocks, block)
+    scale = rows[..., head_dim:].contiguous().view(_SCALE)  # (..., n_blocks)
+    return (q.float() * scale[..., None]).flatten(-2).to(dtype)
+
+
+def round_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` gives it back: what the uncached pass attends over, so that it reads the same keys
+    and values as the cached path does."""
+    return load_kv(store_kv(x, dtype), x.shape[-1], x.dtype)
+
+
+class KVRounding:
+    """The uncached pass's stand-in for a layer's cache when the cache would hold another dtype: it keeps nothing
+    and gives the new keys and values back rounded as a cache of `dtype` would (`round_kv`)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor,
+                  xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return round_kv(xk, self.dtype), round_kv(xv, self.dtype)
 
 
 class KVCache(nn.Module):
@@ -25,7 +104,9 @@ class KVCache(nn.Module):
         max_seq_len: positions it can hold; writing past them raises.
         n_kv_heads: key/value heads of the layer (after any model-parallel split).
         head_dim: width of each head.
-        dtype, device: those of the model's activations.
+        dtype: what it holds keys and values in: the model's dtype, another float dtype, or int8 (blocks with
+            their scales, `store_kv`); `update_at` returns them in the dtype they were given in.
+        device: that of the model's activations.
     """
 
     def __init__(
@@ -38,7 +119,7 @@ class KVCache(nn.Module):
         device: torch.device,
     ):
         super().__init__()
-        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        shape = (batch_size, n_kv_heads, max_seq_len, kv_row_width(head_dim, dtype))
         self.register_buffer("cache_k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("cache_v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -46,6 +127,7 @@ class KVCache(nn.Module):
     def wrap(cls, cache_k: torch.Tensor, cache_v: torch.Tensor) -> "KVCache":
         """A cache over existing (batch, n_kv_heads, max_seq_len, head_dim) tensors, written in place: how an
         exported step (llama/compile/aot.py) takes its caches as inputs."""
+        assert cache_k.dtype != torch.int8, "exported steps take float caches"
         cache = cls.__new__(cls)
         nn.Module.__init__(cache)
         cache.register_buffer("cache_k", cache_k, persistent=False)
@@ -69,6 +151,11 @@ class KVCache(nn.Module):
     def nbytes(self) -> int:
         return self.cache_k.nbytes + self.cache_v.nbytes
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it holds keys and values in."""
+        return self.cache_k.dtype
+
     def reset(self) -> None:
         self.cache_k.zero_()
         self.cache_v.zero_()
@@ -81,8 +168,9 @@ class KVCache(nn.Module):
             xk, xv: (bsz, n_kv_heads, seqlen, head_dim) keys and values of the new tokens.
 
         Returns:
-            The rows' whole caches, each (bsz, n_kv_heads, max_seq_len, head_dim): column j holds position j.
-            What lies past a row's positions is stale and must be masked (`model.positions_mask`).
+            The rows' whole caches, each (bsz, n_kv_heads, max_seq_len, head_dim) in xk's dtype (dequantized from
+            int8): column j holds position j. What lies past a row's positions is stale and must be masked
+            (`model.positions_mask`).
 
         Raises:
             ValueError: a position is outside the cache, or the batch does not fit it.
@@ -91,18 +179,21 @@ class KVCache(nn.Module):
         if bsz > self.batch_size:
             raise ValueError(f"a batch of {bsz} rows does not fit a KV cache built for {self.batch_size}")
         _check_positions(input_pos, self.max_seq_len)
+        head_dim, dtype = xk.shape[3], xk.dtype
+        xk, xv = store_kv(xk, self.dtype), store_kv(xv, self.dtype)  # the same tensors where dtype is the model's
         if input_pos.shape[0] == 1:  # one copy along the positions for all rows (advanced indexing is slower)
             self.cache_k[:bsz].index_copy_(2, input_pos[0], xk)
             self.cache_v[:bsz].index_copy_(2, input_pos[0], xv)
-            return self.cache_k[:bsz], self.cache_v[:bsz]
-        rows = torch.arange(bsz, device=input_pos.device)[:, None]  # (bsz, 1)
-        self.cache_k[rows, :, input_pos] = xk.transpose(1, 2)  # indexed as (bsz, seqlen, n_kv_heads, head_dim)
-        self.cache_v[rows, :, input_pos] = xv.transpose(1, 2)
-        return self.cache_k[:bsz], self.cache_v[:bsz]
+        else:
+            rows = torch.arange(bsz, device=input_pos.device)[:, None]  # (bsz, 1)
+            self.cache_k[rows, :, input_pos] = xk.transpose(1, 2)  # indexed as (bsz, seqlen, n_kv_heads, width)
+            self.cache_v[rows, :, input_pos] = xv.transpose(1, 2)
+        return load_kv(self.cache_k[:bsz], head_dim, dtype), load_kv(self.cache_v[:bsz], head_dim, dtype)
 
 
 def describe_kv_cache(dtype: torch.dtype, bytes_per_token: int) -> str:
-    """How the cache holds each token, as the commands say it: "float32, 46,080 bytes a token"."""
+    """How the cache holds each token, as the commands say it: "float32, 46,080 bytes a token" ("int8, ..." counts
+    the scales)."""
     return f"{str(dtype).removeprefix('torch.')}, {bytes_per_token:,} bytes a token"
 
 
@@ -136,7 +227,8 @@ class PagedKVCache:
         shapes: (n_kv_heads, head_dim) of each layer.
         num_blocks: blocks in the pool.
         block_size: positions per block.
-        dtype, device: those of the model's activations.
+        dtype: what it holds keys and values in, as `KVCache`'s (int8: each position's row holds its scales).
+        device: that of the model's activations.
     """
 
     def __init__(self, shapes: Sequence[Tuple[int, int]], num_blocks: int, block_size: int,
@@ -144,15 +236,17 @@ class PagedKVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a paged KV cache needs at least one block of one position, not {num_blocks} x {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        # Laid out (n_kv_heads, positions, head_dim) so that gathering a row's positions gives each head's
+        # Laid out (n_kv_heads, positions, width) so that gathering a row's positions gives each head's
         # keys contiguous, ready for attention after one transpose.
-        self.keys = [torch.zeros((h, num_blocks * block_size, d), dtype=dtype, device=device) for h, d in shapes]
-        self.values = [torch.zeros((h, num_blocks * block_size, d), dtype=dtype, device=device) for h, d in shapes]
+        layouts = [(h, num_blocks * block_size, kv_row_width(d, dtype)) for h, d in shapes]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for shape in layouts]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for shape in layouts]
 
     @classmethod
     def wrap(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], block_size: int) -> "PagedKVCache":
         """A pool over existing per-layer (n_kv_heads, positions, head_dim) tensors, written in place: how an
         exported step (llama/compile/aot.py) takes the pool as inputs."""
+        assert keys[0].dtype != torch.int8, "exported steps take float caches"
         pool = cls.__new__(cls)
         pool.keys, pool.values = list(keys), list(values)
         pool.block_size, pool.num_blocks = block_size, keys[0].shape[1] // block_size
@@ -161,6 +255,11 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys + self.values)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it holds keys and values in."""
+        return self.keys[0].dtype
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Copy positions 0 .. n - 1 of block `src` into block `dst`, in every layer."""
@@ -171,8 +270,9 @@ class PagedKVCache:
             t[:, b : b + n] = t[:, a : a + n]
 
     def block_tensor(self, block: int) -> torch.Tensor:
-        """A copy of one block's keys and values in every layer: (n_layers, 2, n_kv_heads, block_size, head_dim),
-        keys before values (what llama/server/disk_cache.py keeps on disk)."""
+        """A copy of one block's keys and values in every layer as the cache holds them: (n_layers, 2, n_kv_heads,
+        block_size, width), keys before values (what llama/server/disk_cache.py keeps on disk); width is head_dim, or
+        for int8 the values and their scales' bytes (`kv_row_width`)."""
         a = block * self.block_size
         return torch.stack([torch.stack([k[:, a : a + self.block_size], v[:, a : a + self.block_size]])
                             for k, v in zip(self.keys, self.values)])
@@ -227,16 +327,20 @@ class PagedLayerCache:
             xk, xv: (bsz, n_kv_heads, seqlen, head_dim) keys and values of the new tokens.
 
         Returns:
-            (bsz, n_kv_heads, kv_len, head_dim) keys and values: column j holds position j of the row.
+            (bsz, n_kv_heads, kv_len, head_dim) keys and values in xk's dtype (dequantized from int8): column j
+            holds position j of the row.
         """
         bsz, n_kv_heads, _, head_dim = xk.shape
+        dtype, width = xk.dtype, self.keys.shape[2]
+        xk, xv = store_kv(xk, self.keys.dtype), store_kv(xv, self.keys.dtype)  # the same tensors in the model's dtype
         # index_copy_ / index_select with flat indices: advanced indexing with a 2-D index is three orders of
         # magnitude slower on the CPU (it walks the whole pool).
         index = self.write.flatten()
-        self.keys.index_copy_(1, index, xk.transpose(0, 1).reshape(n_kv_heads, -1, head_dim))  # (n_kv_heads, bsz * seqlen, head_dim)
-        self.values.index_copy_(1, index, xv.transpose(0, 1).reshape(n_kv_heads, -1, head_dim))
+        # (n_kv_heads, bsz * seqlen, width)
+        self.keys.index_copy_(1, index, xk.transpose(0, 1).reshape(n_kv_heads, -1, width))
+        self.values.index_copy_(1, index, xv.transpose(0, 1).reshape(n_kv_heads, -1, width))
         read = self.read.flatten()
-        shape = (n_kv_heads, bsz, self.kv_len, head_dim)
-        # (n_kv_heads, bsz, kv_len, head_dim) -> (bsz, n_kv_heads, kv_len, head_dim)
-        keys = self.keys.index_select(1, read).view(shape).transpose(0, 1)
-        return keys, self.values.index_select(1, read).view(shape).transpose(0, 1)
+        shape = (n_kv_heads, bsz, self.kv_len, width)
+        # (n_kv_heads, bsz, kv_len, width) -> (bsz, n_kv_heads, kv_len, head_dim)
+        keys = load_kv(self.keys.index_select(1, read).view(shape), head_dim, dtype).transpose(0, 1)
+        return keys, load_kv(self.values.index_select(1, read).view(shape), head_dim, dtype).transpose(0, 1)

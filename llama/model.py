@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.kv_cache import KVCache, PagedKVCache, being_traced
+from llama.kv_cache import KVCache, KVRounding, PagedKVCache, being_traced, kv_row_width
 
 
 @dataclass
@@ -263,6 +263,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(i, params) for i in range(params.n_layers))
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
+        self._kv_cache_dtype: Optional[torch.dtype] = None
 
     def use_column_major_weights(self) -> "Transformer":
         """Store each projection with more outputs than inputs transposed in memory (same values, same names).
@@ -288,10 +289,23 @@ class Transformer(nn.Module):
         quantized; quantized layers widen to this dtype.)"""
         return self.norm.weight.dtype
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What the model's KV caches hold keys and values in: its own dtype unless set (`Llama.build`'s
+        kv_cache_dtype, llama/kv_cache.py). Set to another, the uncached pass rounds its keys and values as such a
+        cache would, so that both paths read the same keys and values."""
+        return self._kv_cache_dtype or self.dtype
+
+    @kv_cache_dtype.setter
+    def kv_cache_dtype(self, dtype: Optional[torch.dtype]) -> None:
+        self._kv_cache_dtype = dtype
+
     def kv_cache_nbytes(self, batch_size: int, max_seq_len: int) -> int:
-        """Bytes that `new_kv_cache(batch_size, max_seq_len)` would allocate."""
-        per_position = sum(2 * layer.attention.n_kv_heads * layer.attention.head_dim for layer in self.layers)
-        return per_position * batch_size * max_seq_len * self.dtype.itemsize
+        """Bytes that `new_kv_cache(batch_size, max_seq_len)` would allocate (int8: the scales included)."""
+        dtype = self.kv_cache_dtype
+        per_position = sum(2 * layer.attention.n_kv_heads * kv_row_width(layer.attention.head_dim, dtype)
+                           for layer in self.layers)
+        return per_position * batch_size * max_seq_len * dtype.itemsize
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int, dtype: Optional[torch.dtype] = None) -> List[KVCache]:
         """One empty cache per layer for `batch_size` rows of up to `max_seq_len` positions.
@@ -300,7 +314,7 @@ class Transformer(nn.Module):
         """
         return [
             KVCache(batch_size, max_seq_len, layer.attention.n_kv_heads, layer.attention.head_dim,
-                    dtype or self.dtype, self.device)
+                    dtype or self.kv_cache_dtype, self.device)
             for layer in self.layers
         ]
 
@@ -310,7 +324,7 @@ class Transformer(nn.Module):
         Sized from the layers themselves, as `new_kv_cache` is; it holds `kv_cache_nbytes(1, num_blocks * block_size)` bytes.
         """
         shapes = [(layer.attention.n_kv_heads, layer.attention.head_dim) for layer in self.layers]
-        return PagedKVCache(shapes, num_blocks, block_size, dtype or self.dtype, self.device)
+        return PagedKVCache(shapes, num_blocks, block_size, dtype or self.kv_cache_dtype, self.device)
 
     def forward(
         self,
@@ -372,6 +386,8 @@ class Transformer(nn.Module):
         if cache is None:
             _check_whole_prefix(input_pos)
             kv_len = seqlen
+            if self.kv_cache_dtype != self.dtype:  # keys and values rounded as the cache would hold them
+                cache = [KVRounding(self.kv_cache_dtype)] * self.n_layers
         elif len(cache) != self.n_layers:
             raise ValueError(f"expected {self.n_layers} layer caches, got {len(cache)}")
         elif kv_len is None:

@@ -119,12 +119,13 @@ class Conversation:
         """Continue the conversation saved in `path`; returns how many of its messages were restored.
 
         Raises:
-            PromptCacheError: the file must not be used (another model's, damaged, edited, newer format);
+            PromptCacheError: the file must not be used (another model's, another KV dtype's, damaged, edited, newer
+                format);
                 the conversation is left as it was.
         """
         if self.session is None:
             raise LlamaError("resuming a conversation restores its KV cache, so it needs the cache on")
-        saved = load_prompt_cache(path, self.identity(), self.llama.model.n_layers)
+        saved = load_prompt_cache(path, self.identity(), self.llama.model.n_layers, self.llama.model.kv_cache_dtype)
         restore(self.session, saved)
         messages: List[Message] = saved.dialog or []
         if messages:

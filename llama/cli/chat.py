@@ -60,6 +60,7 @@ def main(
     quantize: str = None,
     quant_kernels: str = "integer",
     model: str = None,
+    kv_cache_dtype: str = "auto",
     speculate: str = None,
     draft_model: str = None,
     draft_quantize: str = None,
@@ -75,6 +76,7 @@ def main(
 
     Args:
         <model flags>
+        <kv cache dtype flag>
         system: a system prompt that starts the conversation (and survives /reset).
         no_kv_cache: feed the whole prefix every step instead of caching keys and values. Same replies, slower.
         temperature: sampling temperature; 0 is greedy.
@@ -113,11 +115,12 @@ def main(
         check_writable(Path(str(session)))
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1, seed=seed, device=device,
                              dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache), quantize=quantize,
-                             quant_kernels=quant_kernels)
+                             quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype)
     if session is not None and llama.info.world_size > 1:
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)
-    kv = "off" if no_kv_cache else f"on, {describe_kv_cache(llama.model.dtype, llama.model.kv_cache_nbytes(1, 1))}"
+    kv = "off" if no_kv_cache else \
+        f"on, {describe_kv_cache(llama.model.kv_cache_dtype, llama.model.kv_cache_nbytes(1, 1))}"
     drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
                                      compile_flag(compile, no_compile, no_kv_cache), quant_kernels)
     chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache,

@@ -22,7 +22,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 # same words are flags. Only these names are rewritten, so other text that holds "=" is left alone.
 _PARAMETERS = ("dtype", "quantize", "quant_kernels", "compile", "dequantize", "overwrite", "max_seq_len", "max_gen_len",
                "max_batch_size", "ctx", "device", "tokenizer_path", "temperature", "top_p", "kv_cache",
-               "speculate", "draft_tokens", "kv_cache_dir", "kv_cache_dir_size")
+               "speculate", "draft_tokens", "kv_cache_dir", "kv_cache_dir_size", "kv_cache_dtype")
 _PARAMETER = re.compile(r"\b(" + "|".join(_PARAMETERS) + r")=(True\b|[^\s,;:)]*)")
 
 

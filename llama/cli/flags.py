@@ -34,6 +34,16 @@ SPECULATION_FLAGS = {
     "draft_tokens": "the most tokens a draft holds (1-16; default 4).",
 }
 SPECULATION_MARKER = "<speculation flags>"
+# The KV cache's dtype, on the commands that keep a cache (llama-generate, llama-chat, llama-server, llama-perplexity).
+KV_CACHE_DTYPE_FLAG = {
+    "kv_cache_dtype": "what the KV cache holds keys and values in: auto (the model's dtype, the default), float32, "
+                      "bfloat16, or int8 (blocks of 32 along each head with a float32 scale each: about 3.6 times "
+                      "the positions of float32 in the same memory). The run without the cache rounds its keys and "
+                      "values the same way: bit for bit the same on the integer kernels, within a rounding step "
+                      "elsewhere. Not with a dtype other "
+                      "than the model's and --compile: the decode step then runs eagerly.",
+}
+KV_CACHE_DTYPE_MARKER = "<kv cache dtype flag>"
 
 
 def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str, str]] = None) -> str:
@@ -47,11 +57,12 @@ def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str
 
 
 def with_model_flags(main: Callable) -> Callable:
-    """Write the shared flags' help where `main`'s docstring says `<model flags>` (and `<speculation flags>`, where it
-    does); fire shows it as `main`'s own."""
+    """Write the shared flags' help where `main`'s docstring says `<model flags>` (and `<speculation flags>` or
+    `<kv cache dtype flag>`, where it does); fire shows it as `main`'s own."""
     doc = main.__doc__
     assert doc is not None and MARKER in doc, f"{main.__module__}.main's docstring has no {MARKER} line"
-    for marker, flags in ((MARKER, MODEL_FLAGS), (SPECULATION_MARKER, SPECULATION_FLAGS)):
+    for marker, flags in ((MARKER, MODEL_FLAGS), (SPECULATION_MARKER, SPECULATION_FLAGS),
+                          (KV_CACHE_DTYPE_MARKER, KV_CACHE_DTYPE_FLAG)):
         line = next((l for l in doc.splitlines() if marker in l), None)
         if line is not None:
             doc = doc.replace(line, model_flags_help(indent=len(line) - len(line.lstrip()), flags=flags))

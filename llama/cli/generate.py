@@ -69,6 +69,7 @@ def main(
     quantize: str = None,
     quant_kernels: str = "integer",
     model: str = None,
+    kv_cache_dtype: str = "auto",
     precompile=False,
     speculate: str = None,
     draft_model: str = None,
@@ -89,6 +90,7 @@ def main(
         prompt: the text to continue.
         prompts_file: a UTF-8 file with one prompt per line (instead of --prompt); they run as one batch.
         <model flags>
+        <kv cache dtype flag>
         echo: print the prompt before its continuation.
         no_kv_cache: feed the whole prefix every step instead of caching keys and values. Same text, slower.
         temperature: sampling temperature; 0 is greedy.
@@ -132,7 +134,8 @@ def main(
         sizes = batch_sizes(precompile)
         llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(max_batch_size, *sizes), seed=seed,
                                  device=device, dtype=dtype, compile="auto", quantize=quantize,
-                                 quant_kernels=quant_kernels, compile_batch_size=sizes[0])
+                                 quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype,
+                                 compile_batch_size=sizes[0])
         store_compiled_steps(llama, sizes)
         return
     prompts = read_prompts(prompt, prompts_file)
@@ -156,7 +159,8 @@ def main(
     load_start = time.perf_counter()
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=seed, device=device,
                              dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache), quantize=quantize,
-                             quant_kernels=quant_kernels, compile_batch_size=len(prompts))
+                             quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype,
+                             compile_batch_size=len(prompts))
     drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
                                      compile_flag(compile, no_compile, no_kv_cache), quant_kernels)
     load_s = time.perf_counter() - load_start
@@ -225,8 +229,8 @@ def main(
         started = "n/a" if import_s is None else f"{import_s:.2f} s"
         lines = [
             f"kv cache:        "
-            + (f"on ({describe_kv_cache(llama.model.dtype, llama.model.kv_cache_nbytes(1, 1))})" if not no_kv_cache
-               else "off"),
+            + (f"on ({describe_kv_cache(llama.model.kv_cache_dtype, llama.model.kv_cache_nbytes(1, 1))})"
+               if not no_kv_cache else "off"),
             f"device:          {llama.device}",
             f"compiled:        {f'yes ({llama.compiled_step.describe_origin()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"
@@ -286,7 +290,8 @@ class PromptCacheFile:
         self.loaded: List[int] = []
         if path.exists():
             try:
-                restore(self.session, load_prompt_cache(path, self.identity, llama.model.n_layers))
+                restore(self.session, load_prompt_cache(path, self.identity, llama.model.n_layers,
+                                                        llama.model.kv_cache_dtype))
                 self.loaded = list(self.session.tokens)
             except PromptCacheError as e:
                 if is_main_rank(llama):

@@ -5,6 +5,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Union
 
+import torch
+
 from llama.cli.common import as_flags, fail
 from llama.cli.printer import ProgressPrinter
 from llama.compile.step import default_compile
@@ -13,6 +15,7 @@ from llama.runtime.devices import resolve_device
 from llama.convert.fetch import default_model_dir
 from llama.errors import LlamaError
 from llama.generation import Llama
+from llama.kv_cache import resolve_kv_cache_dtype
 from llama.runtime.progress import Progress
 
 
@@ -36,7 +39,9 @@ def compile_flag(compile: bool, no_compile: bool, no_kv_cache: bool = False) -> 
 def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
                      seed: int, device: Optional[str], dtype: Optional[str], compile: Union[bool, str] = False,
                      quantize: Optional[str] = None, quant_kernels: str = "integer",
-                     compile_batch_size: int = 1, compile_layers: Union[bool, str, None] = None) -> Llama:
+                     compile_batch_size: int = 1, compile_layers: Union[bool, str, None] = None,
+                     kv_cache_dtype: str = "auto") -> Llama:
+    check_kv_cache_dtype(kv_cache_dtype)
     ckpt_dir = converted(ckpt_dir) if ckpt_dir is not None else None
     if compile is True and resolve_device(device).type != "cpu":
         # On the CPU the step comes from a stored package, and building one reports itself (llama/compile/aot.py).
@@ -55,6 +60,7 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         quant_kernels=str(quant_kernels),
         compile_batch_size=compile_batch_size,
         compile_layers=compile_layers,
+        kv_cache_dtype=kv_cache_dtype,
         # Under torchrun every rank loads alike: rank 0's reports stand for all.
         progress=_progress(ckpt_dir) if os.environ.get("RANK", "0") == "0" else None,
     )
@@ -62,6 +68,14 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         for note in llama.info.notes:
             print(f"note: {as_flags(note)}", file=sys.stderr, flush=True)
     return llama
+
+
+def check_kv_cache_dtype(kv_cache_dtype) -> None:
+    """A one-line error for a --kv-cache-dtype that is not one of its choices, before anything loads."""
+    try:
+        resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
+    except LlamaError as e:
+        fail(str(e))
 
 
 def _progress(ckpt_dir: Optional[str]) -> Progress:

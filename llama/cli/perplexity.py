@@ -42,6 +42,7 @@ def main(
     quant_kernels: str = "integer",
     json: bool = False,
     model: str = None,
+    kv_cache_dtype: str = "auto",
 ):
     """Perplexity of a model over a UTF-8 text file: exp of the mean negative log-likelihood per token.
 
@@ -62,6 +63,7 @@ def main(
             keys and values of the chunks before it from the cache. Without it (--no-kv-cache) a window is
             one forward pass. Same perplexity either way.
         <model flags>
+        <kv cache dtype flag>
         no_kv_cache: feed each window whole instead of in chunks through the KV cache.
         json: print one JSON object (perplexity, its standard error, tokens scored, per-window figures).
     """
@@ -80,7 +82,8 @@ def main(
     text = read_text(path)
 
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len=ctx, max_batch_size=1, seed=1, device=device,
-                             dtype=dtype, quantize=quantize, quant_kernels=quant_kernels)
+                             dtype=dtype, quantize=quantize, quant_kernels=quant_kernels,
+                             kv_cache_dtype=kv_cache_dtype)
     tokens = llama.tokenizer.encode(text, bos=False, eos=False)
     window_starts(len(tokens), ctx, windows)  # a text too short fails here, before any work
     main_rank = is_main_rank(llama)

@@ -14,10 +14,13 @@ import sys
 from pathlib import Path
 from typing import Tuple, Union
 
+import torch
+
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.flags import with_model_flags
-from llama.cli.loading import build_from_flags, compile_flag, model_flag
+from llama.cli.loading import build_from_flags, check_kv_cache_dtype, compile_flag, model_flag
 from llama.cli.printer import ProgressPrinter
+from llama.compile.step import kv_cache_dtype_note
 from llama.convert.fetch import DEFAULT_MODEL
 
 API_KEY_ENV = "LLAMA_API_KEY"
@@ -79,6 +82,7 @@ def main(
     compile: bool = False,
     no_compile: bool = False,
     model: str = None,
+    kv_cache_dtype: str = "auto",
 ):
     """Serve a LLaMA model over OpenAI's HTTP API, batching requests continuously.
 
@@ -92,6 +96,7 @@ def main(
 
     Args:
         <model flags>
+        <kv cache dtype flag>
         host: address to listen on; 0.0.0.0 serves other machines too (set --api-key then).
         port: port to listen on; 0 picks a free one (the ready line names it).
         parallel: sequences decoded together at each step; more wait their turn.
@@ -133,6 +138,9 @@ def main(
         fail(f"--port must be at most 65535, not {port}")
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     dir_size = byte_count(kv_cache_dir_size, "--kv-cache-dir-size")
+    check_kv_cache_dtype(kv_cache_dtype)  # the model loads after the server listens: refused before that
+    if compile and not no_compile and kv_cache_dtype == "int8":  # never the model's dtype
+        kv_cache_dtype_note(torch.int8, explicit=True)
     if kv_cache_dir is not None:  # refused before the model loads, not after
         from llama.server.disk_cache import check_disk_cache, prepare_directory
 
@@ -145,7 +153,8 @@ def main(
         """This rank's Llama, as every command loads it."""
         llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=parallel, seed=1,
                                  device=device, dtype=dtype, compile=False, quantize=quantize,
-                                 quant_kernels=quant_kernels, compile_layers=compile if not no_kv_cache else False)
+                                 quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype,
+                                 compile_layers=compile if not no_kv_cache else False)
         if compile is True and llama.info.world_size == 1 and llama.model.device.type != "cpu" and not no_kv_cache:
             print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first "
                   "time, less once Inductor has it cached on disk", file=sys.stderr, flush=True)

@@ -73,6 +73,18 @@ def eager_note(reason: str) -> str:
             "(compile=False hides this note)")
 
 
+def kv_cache_dtype_note(kv_dtype: torch.dtype, explicit: bool) -> str:
+    """Where the KV cache holds keys and values in another dtype than the model computes in (int8, or bf16 for a
+    float32 model), the decode step runs eagerly: the stored steps take caches in the model's dtype. Returns the
+    note that says so; `explicit` (compile=True) raises instead."""
+    name = str(kv_dtype).removeprefix("torch.")
+    if explicit:
+        raise LlamaError(f"compile=True compiles the decode step over a KV cache in the model's dtype, not "
+                         f"kv_cache_dtype={name}; leave out one of them")
+    return (f"with kv_cache_dtype={name} the decode step runs eagerly, about 3 times slower (the stored compiled "
+            "steps take keys and values in the model's dtype; compile=False hides this note)")
+
+
 def _no_compiler() -> Optional[str]:
     """Why no package can be built here (no C++ compiler), in a few words; None where one can."""
     reason = build.missing()

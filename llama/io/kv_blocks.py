@@ -10,10 +10,13 @@ same model computed them in the same dtype, in blocks of the same size. A file i
 
     MAGIC                    b"llama-kv block\\n"
     4 bytes                  the length of the JSON header, little-endian
-    JSON header              version, model, dtype, block_size, shapes [n_layers, n_kv_heads, head_dim], key, parent
+    JSON header              version, model, dtype, block_size, shapes [n_layers, n_kv_heads, width], key, parent
                              (the key before it), tokens (this block's ids), payload_bytes, checksum (sha256 of the
                              payload)
-    payload                  (n_layers, 2, n_kv_heads, block_size, head_dim) in dtype, keys before values
+    payload                  (n_layers, 2, n_kv_heads, block_size, width) in dtype, keys before values, as the paged
+                             cache holds them: width is head_dim for a float dtype; for int8 each row is its head_dim
+                             values and then the bytes of their float32 scales (llama/kv_cache.py), so an int8
+                             block's payload carries its scales and its name differs from a float block's
 
 A reader checks every header field against what it expects and the payload against its checksum, and refuses
 a truncated, edited or foreign file (another model, dtype, block size, shape or format version) with a
@@ -50,7 +53,7 @@ class BlockSpec:
         identity: the model's identity (llama/io/identity.py).
         dtype: the dtype the KV cache holds keys and values in.
         block_size: positions per block.
-        shapes: (n_layers, n_kv_heads, head_dim).
+        shapes: (n_layers, n_kv_heads, width): width is head_dim, or an int8 row's values and scales' bytes.
     """
 
     identity: str
@@ -69,8 +72,8 @@ class BlockSpec:
 
     @property
     def payload_bytes(self) -> int:
-        n_layers, n_kv_heads, head_dim = self.shapes
-        return n_layers * 2 * n_kv_heads * self.block_size * head_dim * self.dtype.itemsize
+        n_layers, n_kv_heads, width = self.shapes
+        return n_layers * 2 * n_kv_heads * self.block_size * width * self.dtype.itemsize
 
     def key(self, parent: str, tokens: Sequence[int]) -> str:
         """The key of a block holding `tokens`, after the block whose key is `parent` ("" for the first)."""
@@ -90,10 +93,10 @@ class BlockSpec:
 
 
 def block_file_bytes(spec: BlockSpec, parent: str, tokens: Sequence[int], kv: torch.Tensor) -> bytes:
-    """The bytes of the file for one block: `kv` (n_layers, 2, n_kv_heads, block_size, head_dim) holding the keys and
+    """The bytes of the file for one block: `kv` (n_layers, 2, n_kv_heads, block_size, width) holding the keys and
     values of `tokens`, which follow the block whose key is `parent`."""
-    n_layers, n_kv_heads, head_dim = spec.shapes
-    assert tuple(kv.shape) == (n_layers, 2, n_kv_heads, spec.block_size, head_dim) and kv.dtype == spec.dtype
+    n_layers, n_kv_heads, width = spec.shapes
+    assert tuple(kv.shape) == (n_layers, 2, n_kv_heads, spec.block_size, width) and kv.dtype == spec.dtype
     payload = kv.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
     header = json.dumps({
         "version": FORMAT_VERSION, "model": spec.identity, "dtype": spec.dtype_name, "block_size": spec.block_size,
@@ -107,7 +110,7 @@ def read_block_file(path: Path, spec: BlockSpec, parent: str, tokens: Sequence[i
     """The keys and values a block file holds for `tokens` after the block whose key is `parent`, checked.
 
     Returns:
-        (n_layers, 2, n_kv_heads, block_size, head_dim) in spec.dtype, on the CPU.
+        (n_layers, 2, n_kv_heads, block_size, width) in spec.dtype, on the CPU.
 
     Raises:
         FileNotFoundError: there is no such file.
@@ -136,9 +139,9 @@ def read_block_file(path: Path, spec: BlockSpec, parent: str, tokens: Sequence[i
         raise BlockFileError("truncated" if len(payload) < spec.payload_bytes else "it has bytes past its payload")
     if hashlib.sha256(payload).hexdigest() != header.get("checksum"):
         raise BlockFileError("its payload was changed after it was written (the checksum does not match)")
-    n_layers, n_kv_heads, head_dim = spec.shapes
+    n_layers, n_kv_heads, width = spec.shapes
     kv = torch.frombuffer(data, dtype=torch.uint8, offset=start + header_len, count=len(payload))
-    return kv.view(spec.dtype).view(n_layers, 2, n_kv_heads, spec.block_size, head_dim)
+    return kv.view(spec.dtype).view(n_layers, 2, n_kv_heads, spec.block_size, width)
 
 
 def _check_header(header: dict, spec: BlockSpec, parent: str, tokens: Sequence[int]) -> None:

@@ -2,12 +2,16 @@
 
 A prompt cache is a safetensors file (tensors and a JSON header, nothing pickled):
 
-    layers.N.keys, layers.N.values   (n_kv_heads, n_tokens, head_dim), the model's dtype, one pair per layer
+    layers.N.keys, layers.N.values   (n_kv_heads, n_tokens, width) as the session's cache holds them, one pair per
+                                     layer: width head_dim in a float dtype, or for int8 each row's values and
+                                     then its scales' bytes (llama/kv_cache.py)
     header metadata (strings):
         format     "llama-kv prompt cache"
         version    FORMAT_VERSION; a newer one is refused
         model      the model's identity (llama/io/identity.py); another model's file is refused
         described  the model in words, for messages
+        kv_dtype   what the keys and values are held in ("float32", "bfloat16", "int8"); a run whose KV cache
+                   holds another refuses the file (files without it hold their tensors' dtype)
         tokens     JSON list of the n_tokens token ids whose keys and values the tensors hold
         dialog     JSON list of messages, for a saved chat; absent otherwise
         checksum   sha256 over the tokens, the dialog and every tensor's bytes; an edited file is refused
@@ -41,7 +45,7 @@ class PromptCache:
     """What a prompt-cache file holds, read and checked."""
 
     tokens: List[int]
-    kv: List[tuple]  # per layer (keys, values), each (n_kv_heads, len(tokens), head_dim)
+    kv: List[tuple]  # per layer (keys, values), each (n_kv_heads, len(tokens), width) as a cache holds them
     dialog: Optional[List[Message]] = None
     metadata: Dict[str, str] = field(default_factory=dict)
 
@@ -87,6 +91,7 @@ def save_prompt_cache(path: Path, session: Session, identity: str, described: st
         "version": str(FORMAT_VERSION),
         "model": identity,
         "described": described,
+        "kv_dtype": _dtype_name(session.model.kv_cache_dtype),
         "tokens": tokens_json,
         "checksum": _checksum(tokens_json, dialog_json, tensors),
     }
@@ -97,12 +102,13 @@ def save_prompt_cache(path: Path, session: Session, identity: str, described: st
     return write_atomically(Path(path), safetensors_bytes(tensors, metadata=metadata))
 
 
-def load_prompt_cache(path: Path, identity: str, n_layers: int) -> PromptCache:
-    """Read and check a prompt-cache file written for the model whose identity is `identity`.
+def load_prompt_cache(path: Path, identity: str, n_layers: int, kv_dtype: Optional[torch.dtype] = None) -> PromptCache:
+    """Read and check a prompt-cache file written for the model whose identity is `identity`, whose KV cache holds
+    keys and values in `kv_dtype` (None: not checked).
 
     Raises:
         PromptCacheError: the file is missing, not a prompt cache, truncated, edited, from a newer format,
-            or from another model. The message is one sentence naming the file.
+            from another model, or holds keys and values in another dtype. The message is one sentence naming the file.
     """
     path = Path(path)
     if not path.is_file():
@@ -134,9 +140,19 @@ def load_prompt_cache(path: Path, identity: str, n_layers: int) -> PromptCache:
             raise ValueError(f"{len(tensors) // 2} layers where {n_layers} belong")
         if any(k.shape[1] != len(tokens) or v.shape != k.shape for k, v in kv):
             raise ValueError("the keys and values do not cover the tokens")
+        held = metadata.get("kv_dtype") or (_dtype_name(kv[0][0].dtype) if kv else "")
+        if any(_dtype_name(t.dtype) != held for pair in kv for t in pair):
+            raise ValueError(f"its header says {held} keys and values, its tensors hold another dtype")
     except (ValueError, KeyError, TypeError, LlamaError) as e:
         raise PromptCacheError(f"prompt cache {path} is malformed ({_first_line(e)})") from None
+    if kv_dtype is not None and kv and held != _dtype_name(kv_dtype):
+        raise PromptCacheError(f"prompt cache {path} holds keys and values in {held}, not in {_dtype_name(kv_dtype)} "
+                               f"as this run's KV cache does (kv_cache_dtype={held} reads it)")
     return PromptCache(tokens, kv, dialog, metadata)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _check_header(path: Path, metadata: Dict[str, str], identity: str) -> None:

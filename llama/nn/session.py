@@ -89,7 +89,8 @@ class Session:
         self.tokens = self.tokens[:n]
 
     def kv_tensors(self) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, (keys, values) of the positions held: each (n_kv_heads, len(tokens), head_dim)."""
+        """Per layer, (keys, values) of the positions held as the cache holds them: each (n_kv_heads, len(tokens),
+        width) in the cache's dtype (int8 rows with their scales: llama/kv_cache.py)."""
         n = len(self.tokens)
         return [(c.cache_k[0, :, :n], c.cache_v[0, :, :n]) for c in (self.cache or [])]
 
@@ -109,6 +110,8 @@ class Session:
             expected = (c.cache_k.shape[1], n, c.cache_k.shape[3])
             if tuple(k.shape) != expected or tuple(v.shape) != expected:
                 raise ValueError(f"keys and values of shape {tuple(k.shape)} where {expected} belongs")
+            if k.dtype != c.dtype or v.dtype != c.dtype:
+                raise ValueError(f"keys and values in {k.dtype} where the cache holds {c.dtype}")
         self.tokens = []
         for c, (k, v) in zip(caches, kv):
             c.cache_k[0, :, :n] = k

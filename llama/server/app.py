@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
+from llama.compile.step import kv_cache_dtype_note
 from llama.errors import LlamaError
 from llama.generation import Llama
 from llama.io.identity import model_identity
@@ -54,6 +55,9 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
     if world_size > 1:
         compile = False  # the default's stored step runs in one process, as the commands
     model = llama.model
+    if model.kv_cache_dtype != model.dtype and compile:  # Llama.build gave the note of the default
+        kv_cache_dtype_note(model.kv_cache_dtype, explicit=compile is True)
+        compile = False
     per_position = model.kv_cache_nbytes(1, 1)  # this rank's share of the heads
     if kv_cache_size is None:
         positions = parallel * model.params.max_seq_len
@@ -73,7 +77,8 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
         # vLLM's "maximum concurrency": how many sequences of the whole context the cache holds at once.
         full = num_blocks * block_size / model.params.max_seq_len
         line = (f"--parallel {parallel}, KV cache {num_blocks * block_size:,} tokens in {num_blocks:,} blocks of "
-                f"{block_size}, {nbytes / 2**20:,.1f} MiB{share} ({describe_kv_cache(model.dtype, per_position)}): "
+                f"{block_size}, {nbytes / 2**20:,.1f} MiB{share} "
+                f"({describe_kv_cache(model.kv_cache_dtype, per_position)}): "
                 f"room for {full:,.1f} sequences of the full {model.params.max_seq_len:,}-token context")
     if world_size > 1:
         line += f"; split over {world_size} processes"
@@ -136,14 +141,14 @@ def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
 
 def open_disk_cache(llama: Llama, runner: Runner, directory: str, max_bytes: int, log: Log = _quiet) -> DiskCache:
     """The disk cache for `runner`'s KV cache: its files keyed by `llama`'s identity, the cache's dtype, block size
-    and shapes."""
+    and shapes (read from its tensors: an int8 cache's rows are wider than head_dim, holding their scales)."""
     cache = runner.cache
     shapes = {(k.shape[0], k.shape[2]) for k in cache.keys}
     if len(shapes) != 1:
         raise LlamaError("kv_cache_dir= needs every layer to hold the same number of KV heads of the same width")
-    ((n_kv_heads, head_dim),) = shapes
+    ((n_kv_heads, width),) = shapes
     spec = BlockSpec(model_identity(llama), cache.keys[0].dtype, cache.block_size,
-                     (len(cache.keys), n_kv_heads, head_dim))
+                     (len(cache.keys), n_kv_heads, width))
     return DiskCache(Path(directory), max_bytes, spec, log)
 
 

@@ -107,7 +107,7 @@ class DiskCache:
 
     def load(self, tokens: Sequence[int], known: List[str], first: int, last: int) -> List[torch.Tensor]:
         """The keys and values of full blocks first, first + 1, ... (before `last`) of `tokens`, as long as files for
-        them are found and pass every check; each (n_layers, 2, n_kv_heads, block_size, head_dim) on the CPU."""
+        them are found and pass every check; each (n_layers, 2, n_kv_heads, block_size, width) on the CPU."""
         keys = self.keys(tokens, known, last)
         bs = self.spec.block_size
         out = []

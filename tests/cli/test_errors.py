@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gguf_writer import write_llama_gguf
-from helpers import BIN, assert_one_line_error, build, convert_cli, generate, write_tiny
+from helpers import BIN, assert_one_line_error, build, convert_cli, generate, run, write_tiny
 from llama.errors import LlamaError
 from llama.io.random_weights import PRESETS
 
@@ -76,6 +76,20 @@ def test_broken_checkpoints_give_one_line_errors(tmp_path, breakage):
     breaker(path)
     assert_one_line_error(generate(path, "--prompt", "hi"), *fragments)
     assert not (path / "pwned").exists()
+
+
+@pytest.mark.slow
+def test_a_bad_kv_cache_dtype_is_one_line_on_every_command_that_takes_it(gqa_ckpt, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("Alice was beginning to get very tired of sitting by her sister on the bank. " * 20)
+    commands = {"llama-generate": ["--prompt", "hi"], "llama-chat": [], "llama-server": ["--port", "0"],
+                "llama-perplexity": [text, "--ctx", "16"]}
+    for command, args in commands.items():
+        result = run(command, *args, "--ckpt-dir", gqa_ckpt, "--kv-cache-dtype", "int4", input="", timeout=120)
+        assert_one_line_error(result, "--kv-cache-dtype int4 is not one of auto, float32, bfloat16, int8")
+    for command, args in (("llama-generate", ["--prompt", "hi"]), ("llama-server", ["--port", "0"])):
+        result = run(command, *args, "--ckpt-dir", gqa_ckpt, "--kv-cache-dtype", "int8", "--compile", timeout=120)
+        assert_one_line_error(result, "--compile compiles the decode step", "not --kv-cache-dtype int8")
 
 
 def test_not_enough_memory_is_said_before_loading(tmp_path):

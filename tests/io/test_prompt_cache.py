@@ -231,3 +231,53 @@ def test_generate_refuses_a_prompt_cache_it_cannot_use_or_write(gqa_ckpt, tmp_pa
         assert result.returncode == 1 and result.stderr.startswith("error: " + message)
         assert len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "p.kv").exists()
+
+
+def _saved_by(llama, path):
+    session = Session(llama.model)
+    llama.generate([llama.tokenizer.encode(PROMPT, bos=True, eos=False)], 6, temperature=0, session=session)
+    return session, save_prompt_cache(path, session, model_identity(llama), "tiny")
+
+
+def _load_for(llama, path):
+    return load_prompt_cache(path, model_identity(llama), llama.model.n_layers, llama.model.kv_cache_dtype)
+
+
+def test_an_int8_file_records_int8_resumes_with_the_same_tokens_and_is_refused_by_another_kv_dtype(gqa_ckpt, tmp_path):
+    int8 = build(gqa_ckpt, kv_cache_dtype="int8")
+    session, path = _saved_by(int8, tmp_path / "int8.kv")
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["kv_dtype"] == "int8" and f.get_tensor("layers.0.keys").dtype == torch.int8
+    loaded = _load_for(int8, path)
+    resumed = Session(int8.model)
+    assert restore(resumed, loaded) == len(session.tokens)
+    longer = session.tokens + int8.tokenizer.encode(" and more", bos=False, eos=False)
+    got = int8.generate([longer], 10, temperature=0, logprobs=True, session=resumed)
+    expected = int8.generate([longer], 10, temperature=0, logprobs=True)
+    assert got[0] == expected[0] and resumed.last_reused == len(session.tokens)
+    # int8 keys of a float32 model: float32 rounding can put a key on either side of an int8 step (test_kv_int8.py)
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(expected[1]), rtol=0, atol=1e-2)
+
+    for other in (build(gqa_ckpt), build(gqa_ckpt, kv_cache_dtype="bfloat16")):
+        held = str(other.model.kv_cache_dtype).removeprefix("torch.")
+        with pytest.raises(PromptCacheError, match=f"holds keys and values in int8, not in {held} .*"
+                                                   r"\(kv_cache_dtype=int8 reads it\)") as e:
+            _load_for(other, path)
+        _one_line(e)
+        with pytest.raises(PromptCacheError, match="does not fit"):  # unchecked at load, the session still refuses
+            restore(Session(other.model), loaded)
+    _, float_path = _saved_by(build(gqa_ckpt), tmp_path / "float32.kv")
+    with pytest.raises(PromptCacheError, match="holds keys and values in float32, not in int8"):
+        _load_for(int8, float_path)
+
+
+@pytest.mark.slow
+def test_generate_says_in_one_note_that_a_prompt_cache_holds_another_kv_dtype(gqa_ckpt, tmp_path):
+    cache = tmp_path / "prompt.kv"
+    plain, _ = generate_tokens(gqa_ckpt, "--prompt", PROMPT)
+    first, err = generate_tokens(gqa_ckpt, "--prompt", PROMPT, "--prompt-cache", cache, "--kv-cache-dtype", "int8")
+    assert cache.is_file() and "note:" not in err
+    again, err = generate_tokens(gqa_ckpt, "--prompt", PROMPT, "--prompt-cache", cache)
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert again == plain and len(notes) == 1
+    assert "holds keys and values in int8, not in float32" in notes[0] and "--kv-cache-dtype int8 reads it" in notes[0]

@@ -65,6 +65,17 @@ def test_two_shards_on_one_process_are_merged(checkpoints, prompts_file, single_
     assert_same(generate(checkpoints[2], prompts_file, nproc=1, kv_cache=kv_cache), single_process)
 
 
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])
+def test_int8_keys_and_values_on_two_processes_match_one_process(checkpoints, prompts_file, kv_cache):
+    """Each rank quantizes its own heads' keys and values (blocks lie along a head, never across heads), so two
+    ranks give one process's int8-KV tokens and logprobs, and the cache switch changes nothing on either."""
+    int8 = lambda ckpt, nproc, kv: generate_json(  # noqa: E731
+        ckpt, "--prompts-file", prompts_file, "--echo", "--kv-cache-dtype", "int8", *([] if kv else ["--no-kv-cache"]),
+        nproc=nproc, max_gen_len=16)
+    alone = int8(checkpoints[1], 1, True)
+    assert_same(int8(checkpoints[2], 2, kv_cache), alone)
+
+
 def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, prompts_file):
     cmd = TORCHRUN + ["--nproc_per_node=3", "--no-python", str(BIN / "llama-generate"),
                       "--ckpt-dir", str(checkpoints[1]), "--prompt", "hi", "--device", "cpu"]

@@ -278,3 +278,69 @@ def test_a_restarted_server_loads_the_prefix_from_disk(tmp_path):
     assert loaded.choices[0].message.content == computed.choices[0].message.content
     assert loaded.usage.completion_tokens == computed.usage.completion_tokens
     assert not any("skipped" in line or "Traceback" in line for line in second.lines)
+
+
+def test_int8_blocks_carry_their_scales_load_bit_for_bit_and_are_kept_apart_from_float_ones(gqa_ckpt, tmp_path):
+    """An int8 cache's blocks go to disk as the cache holds them, scales and all (rows of head_dim 8 values and one
+    4-byte scale), load on a fresh engine with the bits computing them gives, and are named apart from a float32
+    cache's: a float32 engine on the same directory finds none of them, and skips nothing."""
+    int8 = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="int8")
+    a, b, n_shared = shared_prompts(int8)
+    plain = engine(int8)
+    want_tokens, want_logprobs, _ = answer(plain, b)
+    plain.drain(5)
+    writer = engine(int8, tmp_path)
+    answer(writer, a)
+    writer.drain(5)
+    assert writer.disk.spec.dtype == torch.int8 and writer.disk.spec.shapes == (2, 2, 8 + 4)
+    (path, *_) = block_paths(writer, a, 1)
+    kv = read_block_file(path, writer.disk.spec, "", a[:BS])
+    assert kv.dtype == torch.int8 and kv.shape == (2, 2, 2, BS, 12)
+    assert kv[..., 8:].contiguous().view(torch.float32).gt(0).all()  # every row's scale is there
+    reader = engine(int8, tmp_path)
+    tokens, logprobs, cached = answer(reader, b)
+    reader.drain(5)
+    assert cached == n_shared // BS * BS > 0 and reader.disk.blocks_loaded == n_shared // BS
+    assert tokens == want_tokens and torch.equal(logprobs, want_logprobs)
+    lines = []
+    floats = engine(build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN), tmp_path, log=lines.append)
+    _, _, cached = answer(floats, b)
+    floats.drain(5)
+    assert cached == 0 and floats.disk.blocks_loaded == 0 and floats.disk.blocks_rejected == 0 and lines == []
+    assert block_paths(floats, a, 1) != block_paths(writer, a, 1)
+
+
+@pytest.mark.slow
+def test_a_restarted_int8_server_loads_the_prefix_from_disk(tmp_path):
+    """The acceptance check of int8 keys and values: `--kv-cache-dtype int8 --kv-cache-dir DIR`, restarted, loads
+    the prefix from disk and answers as a server that computes it."""
+    ckpt, _ = write_tiny(tmp_path / "gqa", "gqa")
+    flags = ("--block-size", "4", "--prefill-chunk", "4", "--no-compile", "--api-key", KEY, "--kv-cache-dtype", "int8")
+    system = SYSTEM + "Always be brief, and never repeat the question."
+    ask = lambda s, q, n=12: s.client().chat.completions.create(  # noqa: E731
+        model="m", messages=[{"role": "system", "content": system}, {"role": "user", "content": q}],
+        max_tokens=n, temperature=0, logprobs=True)
+    first = Server(ckpt, *flags, "--kv-cache-dir", tmp_path / "blocks")
+    try:
+        assert ask(first, "What is a list?", 4).usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        assert first.stop(signal.SIGTERM) == 0, "\n".join(first.lines[-20:])
+    assert any("int8" in line and "bytes a token" in line for line in first.lines), first.lines
+    second = Server(ckpt, *flags, "--kv-cache-dir", tmp_path / "blocks")
+    try:
+        loaded = ask(second, "What is a dict?")
+        metrics = second.metrics()
+    finally:
+        assert second.stop(signal.SIGTERM) == 0, "\n".join(second.lines[-20:])
+    plain = Server(ckpt, *flags)
+    try:
+        computed = ask(plain, "What is a dict?")
+    finally:
+        assert plain.stop(signal.SIGTERM) == 0, "\n".join(plain.lines[-20:])
+    cached = loaded.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 4 == 0 and computed.usage.prompt_tokens_details.cached_tokens == 0
+    assert metrics["llama_kv_disk_cache_blocks_loaded_total"] == cached // 4
+    assert loaded.choices[0].message.content == computed.choices[0].message.content
+    assert [t.logprob for t in loaded.choices[0].logprobs.content] == \
+        [t.logprob for t in computed.choices[0].logprobs.content]
+    assert not any("skipped" in line or "Traceback" in line for line in second.lines)

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from helpers import build, make_engine, prompts, run_jobs, solo
+from helpers import build, make_engine, prompts, run_jobs, solo, write_tiny
 from llama.compile.aot import PagedStep
 from llama.generation import Llama
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs
@@ -189,3 +189,49 @@ def test_the_start_line_says_what_the_kv_cache_holds(llama):
                     f"full {max_seq_len:,}-token context")
     _, blocks, line = build_runner(llama, parallel=3, block_size=16)  # the default: room for --parallel of them
     assert blocks * 16 == 3 * max_seq_len and f"room for 3.0 sequences of the full {max_seq_len:,}-token" in line
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"], ids=["float32", "integer-kernels"])
+def test_an_int8_paged_cache_serves_what_generate_gives_with_int8_kv(gqa_ckpt, quantize):
+    """Through tiny blocks and chunks, and a cache too small for all (preemption): each greedy completion is
+    `Llama.generate`'s alone with the same int8 keys and values; its logprobs the same bits on the integer kernels,
+    within 1e-5 in float32."""
+    llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="int8", quantize=quantize)
+    ps = prompts(llama)
+    max_tokens = [24, 5, 30, 12, 40, 17, 9, 20]
+    for config in (dict(num_blocks=256, block_size=1, prefill_chunk=3),
+                   dict(num_blocks=20, block_size=4, parallel=8, prefill_chunk=8)):
+        engine = make_engine(llama, **config)
+        assert engine.runner.cache.dtype == torch.int8
+        collectors = run_jobs(engine, [Job(p, m, None, temperature=0, logprobs=0) for p, m in zip(ps, max_tokens)])
+        for p, m, c in zip(ps, max_tokens, collectors):
+            tokens, logprobs = solo(llama, p, m, logprobs=True)
+            assert c.texts() == [llama.tokenizer.decode(tokens)]
+            got = [lp for e in c.events if isinstance(e, Delta) for lp in e.logprobs][: len(tokens)]
+            assert [lp.token for lp in got] == tokens
+            ours = [lp.logprob for lp in got]
+            if quantize is None:
+                assert ours == pytest.approx(logprobs, abs=1e-5)
+            else:
+                assert ours == logprobs
+        if config["num_blocks"] == 20:
+            assert engine.preemptions_total > 0, "the small cache was meant to force preemption"
+        engine.drain(5)
+
+
+def test_int8_kv_holds_about_3_5_times_the_positions_in_a_budget_of_bytes(tmp_path):
+    """--kv-cache-size in bytes holds about 3.56 times the positions with int8 keys and values as with float32 (heads
+    of 64: 64 bytes and two 4-byte scales against 256 bytes), and the start line says "int8, N bytes a token"."""
+    from llama.cli.server import kv_cache_positions
+    from llama.server.app import build_runner
+
+    ckpt, _ = write_tiny(tmp_path / "wide", "gqa", dim=256, n_heads=4, n_kv_heads=2)
+    blocks, lines = {}, {}
+    for kv_dtype in ("auto", "int8"):
+        llama = build(ckpt, kv_cache_dtype=kv_dtype)
+        budget = lambda per_token: kv_cache_positions("4MiB", per_token, 0)  # noqa: E731
+        _, blocks[kv_dtype], lines[kv_dtype] = build_runner(llama, parallel=2, kv_cache_size=budget, block_size=16)
+        per_token = llama.model.kv_cache_nbytes(1, 1)
+    assert per_token == 2 * 2 * 2 * (64 + 8)
+    assert f"(int8, {per_token:,} bytes a token)" in lines["int8"] and "(float32, 2,048 bytes a token)" in lines["auto"]
+    assert blocks["int8"] / blocks["auto"] == pytest.approx(256 / 72, rel=0.01)
