@@ -122,7 +122,7 @@ def main(
     kv = "off" if no_kv_cache else \
         f"on, {describe_kv_cache(llama.model.kv_cache_dtype, llama.model.kv_cache_nbytes(1, 1))}"
     drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
-                                     compile_flag(compile, no_compile, no_kv_cache), quant_kernels)
+                                     compile_flag(compile, no_compile, no_kv_cache), quant_kernels, draft_tokens)
     chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache,
                         speculate=drafter, draft_tokens=draft_tokens)
     if session is not None and Path(session).exists():

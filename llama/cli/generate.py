@@ -162,7 +162,7 @@ def main(
                              quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype,
                              compile_batch_size=len(prompts))
     drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
-                                     compile_flag(compile, no_compile, no_kv_cache), quant_kernels)
+                                     compile_flag(compile, no_compile, no_kv_cache), quant_kernels, draft_tokens)
     load_s = time.perf_counter() - load_start
     if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")

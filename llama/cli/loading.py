@@ -13,7 +13,7 @@ from llama.compile.step import default_compile
 from llama.convert.cache import resolve_checkpoint
 from llama.runtime.devices import resolve_device
 from llama.convert.fetch import default_model_dir
-from llama.errors import LlamaError
+from llama.errors import LlamaError, first_line
 from llama.generation import Llama
 from llama.kv_cache import resolve_kv_cache_dtype
 from llama.runtime.progress import Progress
@@ -125,9 +125,13 @@ def check_draft_flags(speculate: Optional[str], draft_model: Optional[str], draf
 
 def speculation_from_flags(llama: Llama, speculate: Optional[str], draft_model: Optional[str],
                            draft_quantize: Optional[str], device: Optional[str], dtype: Optional[str],
-                           compile: Union[bool, str], quant_kernels: str):
+                           compile: Union[bool, str], quant_kernels: str, draft_tokens: int):
     """What `Llama.generate(speculate=...)` takes for the flags: None, "ngram", or a `DraftModel` over the draft
-    checkpoint, loaded as the model is (the default model where `--draft-model default`)."""
+    checkpoint, loaded as the model is (the default model where `--draft-model default`). The compiled steps it runs
+    on are ready when this returns."""
+    if draft_model is None and speculate is None:
+        return None
+    _ready_to_speculate(llama, (1, draft_tokens + 1))
     if draft_model is None:
         return speculate
     from llama.speculative import DraftModel
@@ -135,10 +139,28 @@ def speculation_from_flags(llama: Llama, speculate: Optional[str], draft_model: 
     path = None if str(draft_model) == "default" else str(draft_model)
     draft = build_from_flags(path, None, llama.model.params.max_seq_len, 1, seed=1, device=device, dtype=dtype,
                              compile=compile, quantize=draft_quantize, quant_kernels=quant_kernels)
+    _ready_to_speculate(draft)
     try:
         return DraftModel(draft, llama)
     except LlamaError as e:
         fail(str(e))
+
+
+def _ready_to_speculate(llama: Llama, *sizes) -> None:
+    """Load, or build now, the stored steps speculation runs on: the one-token step and the step that checks a draft
+    (`sizes`). Left to the background, as the plain decode's default leaves its step, a first run would speculate
+    only once both were built, and meanwhile run slower than the plain decode; a build is said on stderr."""
+    step = llama.compiled_step
+    ahead = step.ahead_of_time if step is not None else None
+    if ahead is None:
+        return
+    try:
+        for size in (1, *sizes):
+            ahead.runner(size)
+    except Exception as e:  # Unsupported, or Inductor's failures: the steps it lacks run eagerly
+        if is_main_rank(llama):
+            print(f"note: the compiled steps for speculating could not be had ({first_line(e)}); "
+                  "drafts are checked eagerly", file=sys.stderr, flush=True)
 
 
 def describe_speculation(speculate: Optional[str], draft_model: Optional[str], draft_quantize: Optional[str],
