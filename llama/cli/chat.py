@@ -14,7 +14,7 @@ from llama.cli.streaming import TextStream
 from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
 from llama.sampling import check_sampling
-from llama.speculative import DEFAULT_DRAFT_TOKENS, check_speculation
+from llama.speculative import DEFAULT_DRAFT_TOKENS
 from llama.io.prompt_cache import PromptCacheError, check_writable
 from llama.kv_cache import describe_kv_cache
 
@@ -103,12 +103,7 @@ def main(
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
-    check_draft_flags(speculate, draft_model, draft_quantize)
-    try:
-        check_speculation(speculate or (None if draft_model is None else "ngram"), draft_tokens,
-                          kv_cache=not no_kv_cache)
-    except LlamaError as e:
-        fail(as_flags(str(e)))
+    check_draft_flags(speculate, draft_model, draft_quantize, draft_tokens, kv_cache=not no_kv_cache)
     if session is not None and no_kv_cache:
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
     if session is not None:

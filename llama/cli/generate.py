@@ -11,9 +11,8 @@ from llama.cli.flags import with_model_flags
 from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, describe_speculation, is_main_rank,
                                model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
-from llama.errors import LlamaError
 from llama.sampling import check_sampling
-from llama.speculative import DEFAULT_DRAFT_TOKENS, check_speculation
+from llama.speculative import DEFAULT_DRAFT_TOKENS
 from llama.io.identity import describe_model, model_identity
 from llama.kv_cache import describe_kv_cache
 from llama.io.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
@@ -142,12 +141,7 @@ def main(
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
-    check_draft_flags(speculate, draft_model, draft_quantize)
-    try:
-        check_speculation(speculate or (None if draft_model is None else "ngram"), draft_tokens,
-                          kv_cache=not no_kv_cache)
-    except LlamaError as e:
-        fail(as_flags(str(e)))
+    check_draft_flags(speculate, draft_model, draft_quantize, draft_tokens, kv_cache=not no_kv_cache)
     if len(prompts) > max_batch_size:
         fail(f"{len(prompts)} prompts exceed --max-batch-size {max_batch_size}; raise it or split the file")
 

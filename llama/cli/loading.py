@@ -114,8 +114,15 @@ def _is_big(ckpt_dir: Optional[str]) -> bool:
     return sum(p.stat().st_size for p in Path(ckpt_dir).glob("consolidated.*.pth")) > 2**30
 
 
-def check_draft_flags(speculate: Optional[str], draft_model: Optional[str], draft_quantize: Optional[str]) -> None:
-    """Refuse, before loading anything, a draft model asked for in a way that cannot run."""
+def check_draft_flags(speculate: Optional[str], draft_model: Optional[str], draft_quantize: Optional[str],
+                      draft_tokens: int, kv_cache: bool) -> None:
+    """Refuse, before loading anything, speculation asked for in a way that cannot run."""
+    from llama.speculative import check_speculation
+
+    try:
+        check_speculation(speculate or (None if draft_model is None else "ngram"), draft_tokens, kv_cache)
+    except LlamaError as e:
+        fail(as_flags(str(e)))
     if draft_model is not None and speculate is not None:
         fail("--speculate ngram and --draft-model are two ways to draft; give one")
     if draft_quantize is not None and draft_model is None:
