@@ -262,8 +262,9 @@ class Speculation:
                     break
             if stop or len(seq) >= total_len:
                 return len(seq), fed
-            # seq[fed] is the last token, not fed yet: a step feeds it, and the draft after it.
-            draft = self._draft(seq, total_len)
+            # seq[fed] is the last token, not fed yet: a step feeds it, and the draft after it. The padded step must
+            # fit before the end: a draft comes only where k more tokens could be kept.
+            draft = self.next_draft(seq, total_len - len(seq) - 1, whole=True)
             n = 1 + self.k
             if draft and not can_check(n):
                 draft = []
@@ -289,19 +290,21 @@ class Speculation:
                 new.append(sample_one(last_logits[len(draft)], temperature, top_p, generator))
             accepted = len(new) - 1
             fed += len(new)  # the last token kept, and the ones before it, are fed; its successor is not
-            self._record(len(draft), accepted)
+            self.record(len(draft), accepted)
 
-    def _draft(self, seq: List[int], total_len: int) -> List[int]:
-        """The next draft, or none: near the end (the padded step must fit), or while drafting is paused."""
+    def next_draft(self, seq: List[int], room: int, whole: bool = False) -> List[int]:
+        """The next draft after `seq`: at most `room` tokens (the new tokens a check could keep beyond its own),
+        none at all where `whole` and fewer than k fit; none while drafting is paused."""
         if self._pause > 0:
             self._pause -= 1
             return []
-        room = total_len - len(seq) - 1  # new tokens a check could keep beyond its own
-        if room < self.k:
+        k = min(self.k, room)
+        if k < 1 or (whole and k < self.k):
             return []
-        return list(self.drafter.draft(seq, self.k))[: self.k]
+        return list(self.drafter.draft(seq, k))[:k]
 
-    def _record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int) -> None:
+        """A check of `drafted` tokens kept `accepted` of them: counted, and drafting pauses where checks stop paying."""
         self.stats.checks += 1
         self.stats.drafted += drafted
         self.stats.accepted += accepted

@@ -326,12 +326,13 @@ KEY = "test-key-123"
 SERVER_MAX_SEQ_LEN = 256
 
 
-def make_engine(llama, num_blocks=64, block_size=4, parallel=8, prefill_chunk=16, kv_cache=True):
-    """llama-server's serving loop over `llama` (llama/server/app.py), started, with a KV cache of `num_blocks`."""
+def make_engine(llama, num_blocks=64, block_size=4, parallel=8, prefill_chunk=16, kv_cache=True, **settings):
+    """llama-server's serving loop over `llama` (llama/server/app.py), started, with a KV cache of `num_blocks`
+    (`settings`: more of `start_engine`'s)."""
     from llama.server.app import start_engine
 
     return start_engine(llama, parallel=parallel, kv_cache_size=num_blocks * block_size, block_size=block_size,
-                        prefill_chunk=prefill_chunk, kv_cache=kv_cache).engine
+                        prefill_chunk=prefill_chunk, kv_cache=kv_cache, **settings).engine
 
 
 class Collector:

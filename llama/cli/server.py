@@ -22,6 +22,7 @@ from llama.cli.loading import build_from_flags, check_kv_cache_dtype, compile_fl
 from llama.cli.printer import ProgressPrinter
 from llama.compile.step import kv_cache_dtype_note
 from llama.convert.fetch import DEFAULT_MODEL
+from llama.errors import LlamaError
 
 API_KEY_ENV = "LLAMA_API_KEY"
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
@@ -83,6 +84,8 @@ def main(
     no_compile: bool = False,
     model: str = None,
     kv_cache_dtype: str = "auto",
+    speculate: str = None,
+    draft_tokens: int = 4,
 ):
     """Serve a LLaMA model over OpenAI's HTTP API, batching requests continuously.
 
@@ -90,6 +93,7 @@ def main(
         llama-server
         llama-server --port 8000 --parallel 8 --kv-cache-size 16384
         llama-server --kv-cache-dir ~/.cache/llama-kv-blocks --kv-cache-dir-size 4GiB
+        llama-server --speculate ngram
         torchrun --nproc_per_node 2 --no-python llama-server --ckpt-dir llama-2-13b
         curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
             -d '{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'
@@ -128,6 +132,12 @@ def main(
             time; with a progress line), stored under $LLAMA_HOME and loaded in milliseconds by later starts;
             prompt chunks run eagerly. Without a C++ compiler it runs eagerly, with a note.
         no_compile: run every step eagerly.
+        speculate: ngram: draft tokens for every request by prompt lookup (the tokens that followed the latest
+            earlier occurrence of its last few tokens, in its prompt or its output so far) and check each draft
+            in the batched step: at temperature 0 exactly the text without it, faster where the output repeats
+            the input (summaries, edits, code); above it the same distribution. `usage.completion_tokens_details`
+            counts the drafted tokens accepted and rejected. Needs the KV cache.
+        draft_tokens: the most tokens a draft holds (1-16; default 4).
     """
     for name, value, low in (("--port", port, 0), ("--parallel", parallel, 1), ("--max-seq-len", max_seq_len, 2),
                              ("--block-size", block_size, 1), ("--prefill-chunk", prefill_chunk, 1),
@@ -139,6 +149,13 @@ def main(
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     dir_size = byte_count(kv_cache_dir_size, "--kv-cache-dir-size")
     check_kv_cache_dtype(kv_cache_dtype)  # the model loads after the server listens: refused before that
+    if speculate is not None:
+        from llama.server.app import check_server_speculation
+
+        try:
+            check_server_speculation(speculate, draft_tokens, not no_kv_cache)
+        except LlamaError as e:
+            fail(as_flags(str(e)))
     if compile and not no_compile and kv_cache_dtype == "int8":  # never the model's dtype
         kv_cache_dtype_note(torch.int8, explicit=True)
     if kv_cache_dir is not None:  # refused before the model loads, not after
@@ -180,7 +197,8 @@ def main(
     serve(load, host, port, prefill_chunk=prefill_chunk, max_waiting=max_waiting, model_id=name, api_key=api_key,
           webui=not no_webui, shutdown_grace=shutdown_grace, progress=ProgressPrinter(prefix="llama-server: "),
           kv_cache_dir=str(Path(kv_cache_dir).expanduser()) if kv_cache_dir is not None else None,
-          kv_cache_dir_size=dir_size, on_rank_lost=_rank_lost, say=_say, log=_log, **runner_settings)
+          kv_cache_dir_size=dir_size, speculate=speculate, draft_tokens=draft_tokens, on_rank_lost=_rank_lost,
+          say=_say, log=_log, **runner_settings)
 
 
 def _say(line: str) -> None:

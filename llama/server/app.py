@@ -27,6 +27,7 @@ from llama.server.engine import Engine
 from llama.server.http import ServerState, create_app
 from llama.server.runner import Runner
 from llama.server.scheduler import Scheduler
+from llama.speculative import DEFAULT_DRAFT_TOKENS, DraftModel, Drafter, check_speculation
 
 Log = Callable[[str], None]
 KVCacheSize = Union[int, Callable[[int], int], None]  # positions, or a function of the bytes one position takes
@@ -38,10 +39,11 @@ def _quiet(line: str) -> None:
 
 def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
                  kv_cache: bool = True, compile: Union[bool, str] = False,
-                 progress: Optional[Progress] = None) -> Tuple[Runner, int, str]:
+                 progress: Optional[Progress] = None, rows_per_sequence: int = 1) -> Tuple[Runner, int, str]:
     """This rank's runner over `llama`'s model and a KV cache of `kv_cache_size` positions: a number, or a function
     of the bytes one position takes on this rank (which depends on the model and the ranks) that returns it;
-    default: room for `parallel` sequences of the model's max_seq_len.
+    default: room for `parallel` sequences of the model's max_seq_len. A decode step feeds up to
+    `rows_per_sequence` rows for each sequence (speculation's drafts: 1 + draft_tokens).
 
     Returns:
         the runner, its number of KV-cache blocks, and a line describing them.
@@ -82,13 +84,21 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
                 f"room for {full:,.1f} sequences of the full {model.params.max_seq_len:,}-token context")
     if world_size > 1:
         line += f"; split over {world_size} processes"
-    runner = Runner(model, num_blocks, block_size, compile=compile if kv_cache else False, max_rows=parallel,
-                    progress=progress)
+    runner = Runner(model, num_blocks, block_size, compile=compile if kv_cache else False,
+                    max_rows=parallel * rows_per_sequence, progress=progress)
     if runner.compiled is not None:
         building = getattr(runner.compiled, "building", False)
         line += "; decode step compiled" + (" in the background (the eager step serves, with the same answers, "
                                             "until it is ready)" if building else "")
     return runner, num_blocks, line
+
+
+def check_server_speculation(speculate: Union[str, Drafter, None], draft_tokens: int, kv_cache: bool) -> None:
+    """Raise LlamaError for speculation the server cannot do: it drafts by prompt lookup (or a drafter without a
+    state of its own, shared by every sequence), with a KV cache; not with a draft model."""
+    if isinstance(speculate, DraftModel):
+        raise LlamaError("the server drafts by prompt lookup (speculate=ngram), not with a draft model")
+    check_speculation(speculate, draft_tokens, kv_cache)
 
 
 class Started(NamedTuple):
@@ -103,11 +113,13 @@ def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
                  prefill_chunk: int = 128, max_waiting: int = 64, kv_cache: bool = True,
                  compile: Union[bool, str] = False, progress: Optional[Progress] = None,
                  kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
+                 speculate: Union[str, Drafter, None] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  on_rank_lost: Log = _quiet, log: Log = _quiet) -> Started:
     """The running serving loop over `llama`: its runner (`build_runner`), a scheduler of `parallel` sequences
     fed `prefill_chunk` prompt tokens a step, and room for `max_waiting` requests waiting. With `kv_cache_dir`,
     every full block computed is also kept in that directory, at most `kv_cache_dir_size` bytes of them, and
-    found there again (llama/server/disk_cache.py).
+    found there again (llama/server/disk_cache.py). With `speculate="ngram"`, every choice drafts up to
+    `draft_tokens` tokens by prompt lookup, checked in the batched step (llama/server/engine.py).
 
     Under torchrun this is rank 0's part, and `on_rank_lost` is told when another rank is gone (`follow_steps` is
     the other ranks' part).
@@ -117,12 +129,16 @@ def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
 
     Raises:
         LlamaError: the KV cache does not fit, or `kv_cache_dir` cannot be used (without a KV cache, under torchrun,
-            a directory that cannot be written, a size that holds no block).
+            a directory that cannot be written, a size that holds no block), or `speculate` cannot run.
     """
+    check_server_speculation(speculate, draft_tokens, kv_cache)
     if kv_cache_dir is not None:
         check_disk_cache(kv_cache, llama.info.world_size)
         prepare_directory(kv_cache_dir)
-    runner, num_blocks, line = build_runner(llama, parallel, kv_cache_size, block_size, kv_cache, compile, progress)
+    runner, num_blocks, line = build_runner(llama, parallel, kv_cache_size, block_size, kv_cache, compile, progress,
+                                            rows_per_sequence=1 + draft_tokens if speculate else 1)
+    if speculate:
+        line += f"; speculative decoding by prompt lookup, up to {draft_tokens} drafted tokens a step"
     notes = list(runner.notes)
     disk = None
     if kv_cache_dir is not None:
@@ -134,7 +150,8 @@ def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
 
         runner = LeaderRunner(runner, step_group(), on_lost=on_rank_lost)
     scheduler = Scheduler(max(num_blocks, 1), block_size, parallel, prefill_chunk, kv_cache=kv_cache, disk=disk)
-    engine = Engine(llama.tokenizer, scheduler, runner, max_waiting, log=log, disk=disk)
+    engine = Engine(llama.tokenizer, scheduler, runner, max_waiting, log=log, disk=disk, speculate=speculate,
+                    draft_tokens=draft_tokens)
     engine.start()
     return Started(engine, line, notes)
 
@@ -190,6 +207,7 @@ def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1",
           compile: Union[bool, str] = False, model_id: str = "llama", api_key: Optional[str] = None,
           webui: bool = True, shutdown_grace: float = 5.0, progress: Optional[Progress] = None,
           kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
+          speculate: Optional[str] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
           on_rank_lost: Log = _quiet, say: Log = _quiet, log: Log = _quiet) -> None:
     """Serve `generator` (a `Llama`, or a function that builds one while the server already listens) over
     OpenAI's HTTP API at `host`:`port` (0: a free port) until Ctrl-C or SIGTERM; with `kv_cache_dir`, keeping the
@@ -215,7 +233,7 @@ def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1",
                 llama, parallel=parallel, kv_cache_size=kv_cache_size, block_size=block_size,
                 prefill_chunk=prefill_chunk, max_waiting=max_waiting, kv_cache=kv_cache, compile=compile,
                 progress=progress, kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
-                on_rank_lost=on_rank_lost, log=log)
+                speculate=speculate, draft_tokens=draft_tokens, on_rank_lost=on_rank_lost, log=log)
             for note in notes:
                 say(f"note: {note}")
             attach(state, engine)

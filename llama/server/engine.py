@@ -5,6 +5,10 @@ ids and sampling settings, no HTTP) and is told what happens through the job's `
 loop's thread. The scheduler decides each step over `Sequence`s; the runner feeds `Row`s. Here a job
 becomes its sequences (one per choice), a scheduled piece becomes a row, a sampled token becomes text
 (llama/detokenize.py) and a finish reason.
+
+With speculation (`speculate="ngram"`), before each step every decoding sequence may get a draft by prompt lookup
+(llama/speculative.py), which the step checks; the tokens kept are taken one by one as sampled ones are, so stop
+tokens, stop strings and max_tokens end a choice where they would without it.
 """
 
 import random
@@ -13,7 +17,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple, Union
 
 import torch
 
@@ -21,6 +25,7 @@ from llama.detokenize import TextState
 from llama.server.disk_cache import DiskCache
 from llama.server.runner import Result, Row, Runner, Sampler
 from llama.server.scheduler import WAITING, Scheduler, Sequence
+from llama.speculative import DEFAULT_DRAFT_TOKENS, Drafter, Speculation, new_drafter
 
 
 class Unavailable(Exception):
@@ -57,6 +62,9 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    disk_tokens: Optional[int] = None  # of the cached tokens, those loaded from disk (None: no disk cache)
+    drafted_tokens: Optional[int] = None  # speculation's tokens drafted and checked, over every choice (None: off)
+    accepted_tokens: Optional[int] = None  # and of them, kept
 
 
 @dataclass
@@ -92,6 +100,8 @@ class Job:
     cache_prompt: bool = True
     sequences: List[Sequence] = field(default_factory=list)
     remaining: int = 0
+    drafted: int = 0  # speculation's tokens drafted and checked, over its choices
+    accepted: int = 0
 
 
 @dataclass(eq=False)
@@ -100,6 +110,7 @@ class _Choice:
     index: int
     text: TextState
     sampler: Sampler
+    speculation: Optional[Speculation] = None
     pending: List[TokenLogprob] = field(default_factory=list)
 
 
@@ -114,12 +125,17 @@ class Engine:
         log: told a line (with its traceback) when something fails inside the loop; the server goes on.
         disk: where every full block that enters the prefix tree is also kept (llama/server/disk_cache.py), the
             one the scheduler loads blocks from; closed when the engine has drained.
+        speculate: "ngram" drafts tokens by prompt lookup for every choice and checks them in the batched step (or
+            a drafter, llama/speculative.py's `Drafter`, shared by every choice); None decodes one token a step.
+        draft_tokens: the most tokens a draft holds.
     """
 
     def __init__(self, tokenizer, scheduler: Scheduler, runner: Runner, max_waiting: int = 64,
-                 log: Callable[[str], None] = lambda line: None, disk: Optional[DiskCache] = None):
+                 log: Callable[[str], None] = lambda line: None, disk: Optional[DiskCache] = None,
+                 speculate: Union[str, Drafter, None] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS):
         self.tokenizer, self.scheduler, self.runner, self.log = tokenizer, scheduler, runner, log
         self.disk = disk
+        self.speculate, self.draft_tokens = speculate, draft_tokens
         self.stop_ids = set(tokenizer.stop_ids)
         self.max_waiting = max_waiting
         self._inbox: Deque[Tuple[str, Job]] = deque()
@@ -134,6 +150,8 @@ class Engine:
         self.generation_tokens_total = 0
         self.preemptions_total = 0
         self.steps_total = 0
+        self.drafted_tokens_total = 0
+        self.accepted_tokens_total = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="llama-server-engine", daemon=True)
@@ -270,8 +288,9 @@ class Engine:
             seed = (job.seed + i) % 2**64 if job.seed is not None else random.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
             context = job.prompt if job.text_context else ()
+            speculation = Speculation(self.draft_tokens, new_drafter(self.speculate)) if self.speculate else None
             self._choices[seq] = _Choice(job, i, TextState(self.tokenizer, job.stop, context),
-                                         Sampler(job.temperature, job.top_p, generator, job.logprobs))
+                                         Sampler(job.temperature, job.top_p, generator, job.logprobs), speculation)
             job.sequences.append(seq)
             self.scheduler.add(seq)
         job.remaining = job.n
@@ -288,6 +307,8 @@ class Engine:
         job.emit(failure)
 
     def _step(self) -> None:
+        if self.speculate:
+            self._draft()
         step = self.scheduler.schedule()
         self.preemptions_total += len(step.preempted)
         if not step:  # everything left waits on something this step did not bring (cannot last)
@@ -306,14 +327,29 @@ class Engine:
             self.scheduler.update(step)
             return
         self.steps_total += 1
+        for piece, result in zip(step.pieces, results):
+            if piece.draft:  # what the step kept: the newest token and the drafted ones accepted, now computed
+                piece.n = len(result.tokens)
+                piece.seq.tokens += result.tokens[:-1]
         entered = self.scheduler.update(step)
         if self.disk is not None:
             # Now, before a later step can take the block back: it is copied here and written by the disk's thread.
             for seq, i in entered:
                 self.disk.save(seq.tokens, seq.block_keys, i, lambda b=seq.blocks[i]: self.runner.block_tensor(b))
+        for piece in step.pieces:
+            if piece.draft:  # taken again one by one below, as sampled tokens are
+                del piece.seq.tokens[piece.start + 1 :]
         for piece, result in zip(step.pieces, results):
             if piece.seq in self._choices:
                 self._absorb(piece, result)
+
+    def _draft(self) -> None:
+        """Give each decoding sequence that speculates its draft for the next step (none while drafting is paused)."""
+        for seq in self.scheduler.running:
+            choice = self._choices.get(seq)
+            if choice is not None and choice.speculation is not None and not seq.prefilling:
+                room = choice.job.max_tokens - len(seq.generated) - 1  # a check yields one token beyond its draft
+                seq.draft = choice.speculation.next_draft(seq.tokens, room)
 
     def _row(self, piece) -> Row:
         seq = piece.seq
@@ -321,6 +357,9 @@ class Engine:
         # Echoed prompt log-probabilities: each fed prompt token scores the prompt token after it.
         scored = seq.tokens[piece.start + 1 : min(end + 1, seq.prompt_len)] if piece.all_logits else []
         sampler = self._choices[seq].sampler
+        if piece.draft:
+            return Row(seq.tokens[piece.start : piece.start + 1], piece.start, list(seq.blocks), sampler=sampler,
+                       draft=list(piece.draft))
         return Row(seq.tokens[piece.start : end], piece.start, list(seq.blocks), scored, sampler.top_logprobs or 0,
                    sampler if piece.sample else None)
 
@@ -335,27 +374,36 @@ class Engine:
             choice.job.emit(PromptLogprobs(choice.index, head + fed))
             if piece.start + piece.n >= seq.prompt_len:
                 seq.prompt_logprobs = False
-        if result.token is None:
-            return
-        token = result.token
-        seq.append(token)
-        self.generation_tokens_total += 1
-        n_generated = len(seq.generated)
-        if token in self.stop_ids and not choice.job.ignore_eos:
-            self._end(seq, choice, choice.text.finish(), "stop")
-            return
-        if choice.job.logprobs is not None:
-            choice.pending.append(TokenLogprob(token, result.logprob, result.top))
-        text, stopped = choice.text.push(token)
-        if stopped:
-            self._end(seq, choice, text, "stop")
-        elif n_generated >= choice.job.max_tokens:
-            self._end(seq, choice, text + choice.text.finish(), "length")
-        elif text:
+        if piece.draft and choice.speculation is not None:
+            accepted = len(result.tokens) - 1
+            choice.speculation.record(len(piece.draft), accepted)
+            choice.job.drafted += len(piece.draft)
+            choice.job.accepted += accepted
+            self.drafted_tokens_total += len(piece.draft)
+            self.accepted_tokens_total += accepted
+        text = ""
+        for i, token in enumerate(result.tokens):
+            seq.append(token)
+            self.generation_tokens_total += 1
+            if token in self.stop_ids and not choice.job.ignore_eos:
+                self._end(seq, choice, text + choice.text.finish(), "stop")
+                return
+            if choice.job.logprobs is not None:
+                choice.pending.append(TokenLogprob(token, result.logprobs[i], result.tops[i]))
+            more, stopped = choice.text.push(token)
+            text += more
+            if stopped:
+                self._end(seq, choice, text, "stop")
+                return
+            if len(seq.generated) >= choice.job.max_tokens:
+                self._end(seq, choice, text + choice.text.finish(), "length")
+                return
+        if text:
             choice.job.emit(Delta(choice.index, text, choice.pending))
             choice.pending = []
 
     def _end(self, seq: Sequence, choice: _Choice, text: str, reason: str) -> None:
+        seq.computed = min(seq.computed, len(seq.tokens))  # a draft's tokens past the end were computed, not kept
         self.scheduler.finish(seq)
         del self._choices[seq]
         job = choice.job
@@ -364,7 +412,9 @@ class Engine:
         job.remaining -= 1
         if job.remaining == 0:
             first = job.sequences[0]
-            job.emit(Done(len(job.prompt), sum(len(s.generated) for s in job.sequences), first.cached_tokens or 0))
+            job.emit(Done(len(job.prompt), sum(len(s.generated) for s in job.sequences), first.cached_tokens or 0,
+                          first.disk_tokens if self.disk is not None else None,
+                          job.drafted if self.speculate else None, job.accepted if self.speculate else None))
 
     def stats(self) -> Dict[str, float]:
         """Gauges and counters for /metrics."""
@@ -381,6 +431,9 @@ class Engine:
             "preemptions_total": self.preemptions_total,
             "steps_total": self.steps_total,
         }
+        if self.speculate:
+            out.update({"speculative_drafted_tokens_total": self.drafted_tokens_total,
+                        "speculative_accepted_tokens_total": self.accepted_tokens_total})
         if pool is not None:
             per_block = self.runner.cache.nbytes // pool.num_blocks
             out.update({

@@ -229,8 +229,9 @@ class _Run:
 
     def usage(self) -> Dict[str, Any]:
         done = list(self.done.values())
-        return usage(sum(d.prompt_tokens for d in done), sum(d.completion_tokens for d in done),
-                     sum(d.cached_tokens for d in done))
+        total = lambda name: None if getattr(done[0], name) is None else sum(getattr(d, name) for d in done)  # noqa: E731
+        return usage(total("prompt_tokens"), total("completion_tokens"), total("cached_tokens"), total("disk_tokens"),
+                     total("drafted_tokens"), total("accepted_tokens"))
 
 
 async def _collect(run: _Run, n_choices: int):
@@ -446,6 +447,8 @@ _METRIC_HELP = {
     "prefix_cache_reused_tokens_total": "Prompt positions whose keys and values were reused from the cache, not computed.",
     "preemptions_total": "Sequences preempted for want of KV blocks (recomputed later).",
     "steps_total": "Batched model steps run.",
+    "speculative_drafted_tokens_total": "Tokens drafted by prompt lookup (--speculate ngram) and checked by the model.",
+    "speculative_accepted_tokens_total": "Drafted tokens the model kept: each saved a step.",
     "cache_block_size": "Positions per KV-cache block.",
     "cache_blocks_total": "KV-cache blocks in all.",
     "cache_blocks_used": "KV-cache blocks held by running sequences.",

@@ -114,10 +114,20 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, disk_tokens: Optional[int] = None,
+          drafted: Optional[int] = None, accepted: Optional[int] = None) -> Dict[str, Any]:
+    """OpenAI's `usage`. With a disk cache, `prompt_tokens_details.disk_tokens` (ours) says how many of the cached
+    tokens came from disk. With speculation, `completion_tokens_details` counts drafted tokens kept and rejected as
+    OpenAI counts a prediction's (`accepted_prediction_tokens`, `rejected_prediction_tokens`)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if disk_tokens is not None:
+        out["prompt_tokens_details"]["disk_tokens"] = disk_tokens
+    if drafted is not None:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
 
 
 def chat_logprobs(tokenizer, logprobs: List[TokenLogprob]) -> Dict[str, Any]:

@@ -74,7 +74,7 @@ class LeaderRunner:
             LlamaError: the model produced NaN or infinite logits (every rank has finished the step by then).
         """
         # Sampling happens here only: the others get each row without its sampler (nor its generator).
-        plain = [Row(r.tokens, r.start, r.blocks, r.scored, 0, None) for r in rows]
+        plain = [Row(r.tokens, r.start, r.blocks, r.scored, 0, None, r.draft) for r in rows]
         self._send((list(copies), plain))
         try:
             return self.runner.step(copies, rows)

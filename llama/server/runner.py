@@ -3,7 +3,10 @@
 The runner owns the model and the paged KV cache's tensors and knows nothing of requests: a row is token
 ids, the position of the first, the blocks that hold the row's keys and values, and how to sample. Rows
 feeding one token each (the decoding sequences) run as one batch, each at its own position; a row
-feeding a chunk of a prompt runs on its own. Without a KV cache each row feeds its whole prefix from
+feeding a chunk of a prompt runs on its own. A row with a draft (speculative decoding) feeds its newest token and
+each drafted token as rows of that batch, at consecutive positions through the same blocks: every layer writes the
+whole batch's keys and values before any row reads them, so each drafted position sees the ones before it, and its
+logits are those of the plain step that would feed it. Without a KV cache each row feeds its whole prefix from
 position 0 through the model's plain path, as `Llama.generate(kv_cache=False)` does.
 """
 
@@ -17,7 +20,7 @@ from torch import nn
 from llama.compile.aot import PagedStep
 from llama.compile.step import compile_paged_step
 from llama.errors import LlamaError
-from llama.sampling import sample
+from llama.sampling import accept_draft, sample, sample_one
 from llama.model import Transformer
 from llama.runtime.progress import Progress
 
@@ -43,6 +46,7 @@ class Row:
     scored: List[int] = field(default_factory=list)
     scored_top: int = 0  # and the likeliest this many alternatives at each
     sampler: Optional[Sampler] = None  # None: nothing is sampled from this row
+    draft: List[int] = field(default_factory=list)  # tokens to check after the one token fed, at the next positions
 
     @property
     def all_logits(self) -> bool:
@@ -51,9 +55,10 @@ class Row:
 
 @dataclass
 class Result:
-    token: Optional[int] = None
-    logprob: Optional[float] = None
-    top: List[Tuple[int, float]] = field(default_factory=list)
+    # The tokens sampled: one; or after a draft, the drafted tokens kept and the model's own after them.
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)  # each one's log-probability, where the sampler asks
+    tops: List[List[Tuple[int, float]]] = field(default_factory=list)  # and the likeliest alternatives at each
     # For each scored token: its log-probability and the likeliest alternatives at its position.
     fed_logprobs: List[Tuple[float, List[Tuple[int, float]]]] = field(default_factory=list)
 
@@ -123,9 +128,16 @@ class Runner:
             return results
         single = [i for i, row in enumerate(rows) if len(row.tokens) == 1 and not row.all_logits]
         if single:
-            logits = self._forward([rows[i] for i in single])  # (len(single), 1, vocab)
-            for j, i in enumerate(single):
-                results[i] = self._finish(rows[i], logits[j])
+            # A draft's tokens are rows of their own, each at its position: (row, its first row in the batch).
+            batch: List[Row] = []
+            first = []
+            for i in single:
+                row = rows[i]
+                first.append(len(batch))
+                batch += [Row([t], row.start + j, row.blocks) for j, t in enumerate(row.tokens + row.draft)]
+            logits = self._forward(batch)[:, -1]  # (len(batch), vocab)
+            for j, i in zip(first, single):
+                results[i] = self._finish(rows[i], logits[j : j + 1 + len(rows[i].draft)])
         for i, row in enumerate(rows):
             if results[i] is None:
                 results[i] = self._finish(row, self._forward([row])[0])
@@ -166,16 +178,32 @@ class Runner:
         sampler = row.sampler
         if sampler is None:
             return result
-        last = logits[-1:]
+        last = logits[-1 - len(row.draft) :]  # the newest token's logits, and each drafted one's
         if not torch.isfinite(last).all():
             raise LlamaError(f"the model produced NaN or infinite logits at position {row.start + len(row.tokens) - 1}; "
                              "the weights may be corrupt, or the dtype may overflow (try --dtype float32)")
-        result.token = int(sample(last, sampler.temperature, sampler.top_p, sampler.generator)[0])
+        if row.draft:
+            result.tokens = _check(last, row.draft, sampler)
+        else:
+            result.tokens = [int(sample(last, sampler.temperature, sampler.top_p, sampler.generator)[0])]
         if sampler.top_logprobs is not None:
-            logprobs = torch.log_softmax(last, dim=-1)
-            result.logprob = float(logprobs[0, result.token])
-            result.top = _top(logprobs, sampler.top_logprobs)[0] if sampler.top_logprobs else []
+            logprobs = torch.log_softmax(last[: len(result.tokens)], dim=-1)
+            result.logprobs = logprobs.gather(1, torch.tensor(result.tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+            result.tops = _top(logprobs, sampler.top_logprobs) if sampler.top_logprobs else [[] for _ in result.tokens]
         return result
+
+
+def _check(logits: torch.Tensor, draft: List[int], sampler: Sampler) -> List[int]:
+    """The tokens a draft yields, from the logits of the newest token and of each drafted one (1 + len(draft), vocab):
+    the drafted tokens up to the first the plain decode would not have chosen, and then the model's own token
+    (`llama.sampling.accept_draft`), as `llama.speculative.Speculation` keeps them."""
+    kept: List[int] = []
+    for i, drafted in enumerate(draft):
+        replacement = accept_draft(logits[i], drafted, sampler.temperature, sampler.top_p, sampler.generator)
+        if replacement is not None:
+            return kept + [replacement]
+        kept.append(drafted)
+    return kept + [sample_one(logits[len(draft)], sampler.temperature, sampler.top_p, sampler.generator)]
 
 
 class _ManyRowsOutput(nn.Module):

@@ -12,6 +12,10 @@ its blocks are released (cached, so they may well still be there) and it waits a
 to be recomputed from its tokens, prompt and generated alike; its sampling goes on where it stopped. A
 sequence that could never fit is refused before it is queued (`check_fits`).
 
+With speculation, the engine gives a decoding sequence a draft (`Sequence.draft`) before the step: its piece feeds
+the newest token and the draft after it, and only the tokens the model keeps count as computed; the blocks
+taken for the rest are let go (`update`). Drafts take only free blocks, never cached ones, and never preempt.
+
 With a disk cache (llama/server/disk_cache.py), where a new sequence's walk of the prefix tree stops, the
 next full blocks its prompt shares with blocks kept on disk are loaded into its own blocks instead of being
 computed: the step carries them (`Step.loads`, opaque here) for the runner to write before it feeds anything.
@@ -55,6 +59,8 @@ class Sequence:
     cached_tokens: Optional[int] = None  # prompt tokens taken from the cache when it was first admitted
     preemptions: int = 0
     block_keys: List[str] = field(default_factory=list)  # the disk cache's keys of its first full blocks, once computed
+    disk_tokens: int = 0  # of `cached_tokens`, those loaded from disk
+    draft: List[int] = field(default_factory=list)  # tokens to check after the newest in the next step (speculation)
 
     def __post_init__(self):
         self.tokens = list(self.tokens)
@@ -75,13 +81,18 @@ class Sequence:
 
 @dataclass
 class Piece:
-    """Tokens of one sequence fed in a step: `seq.tokens[start : start + n]`, at positions start .. start + n - 1."""
+    """Tokens of one sequence fed in a step: `seq.tokens[start : start + n]`, at positions start .. start + n - 1.
+
+    A piece with a draft feeds the newest token and then the draft (n is 1 + its length); before `update` the
+    engine sets n to the tokens the model kept: the newest and the drafted ones accepted.
+    """
 
     seq: Sequence
     start: int
     n: int
     sample: bool  # the piece reaches the last known token: a new token is sampled from its last logits
     all_logits: bool  # the logits of every position fed are wanted (prompt log-probabilities)
+    draft: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -174,7 +185,8 @@ class Scheduler:
             if self.pool is None:  # the whole prefix, every step
                 step.pieces.append(Piece(seq, 0, len(seq.tokens), sample=True, all_logits=seq.prompt_logprobs))
             elif not seq.prefilling:
-                step.pieces.append(Piece(seq, seq.computed, 1, sample=True, all_logits=False))
+                step.pieces.append(Piece(seq, seq.computed, 1 + len(seq.draft), sample=True, all_logits=False,
+                                         draft=seq.draft))
             elif budget > 0:
                 n = min(len(seq.tokens) - seq.computed, budget)
                 budget -= n
@@ -199,6 +211,12 @@ class Scheduler:
                 continue
             seq.computed = piece.start + piece.n
             entered += [(seq, i) for i in self.pool.commit(seq.blocks, seq.tokens, seq.computed)]
+            if piece.draft:  # the blocks past the next position held only rejected tokens
+                keep = self.pool.blocks_for(seq.computed + 1)
+                self.pool.release(seq.blocks[keep:])
+                del seq.blocks[keep:]
+        for seq in self.running:
+            seq.draft = []
         return entered
 
     def _grow_or_preempt(self, step: Step) -> None:
@@ -210,6 +228,13 @@ class Scheduler:
                 self._preempt(self.running[-1], step)
             if seq.status == RUNNING:
                 seq.blocks += self.pool.allocate(1)
+        for seq in self.running:  # then room for drafts, from free blocks only
+            if seq.draft and not seq.prefilling:
+                bs = self.pool.block_size
+                more = min(self.pool.blocks_for(seq.computed + 1 + len(seq.draft)) - len(seq.blocks), len(self.pool.free))
+                if more > 0:
+                    seq.blocks += self.pool.allocate(more)
+                seq.draft = seq.draft[: len(seq.blocks) * bs - seq.computed - 1]
 
     def _preempt(self, seq: Sequence, step: Step) -> None:
         self.running.remove(seq)
@@ -270,5 +295,6 @@ class Scheduler:
         seq.computed = reused
         if seq.cached_tokens is None:
             seq.cached_tokens = min(reused, seq.prompt_len)
+            seq.disk_tokens = min(len(loaded) * pool.block_size, seq.cached_tokens)
         self.prefix_tokens_reused += reused
         return True

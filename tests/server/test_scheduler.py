@@ -327,3 +327,37 @@ def test_random_traffic_keeps_every_sequence_reading_its_own_tokens(seed):
                     sched.finish(piece.seq)
         check_accounting(sched)
     assert sched.pool.used == 0
+
+
+def test_a_draft_takes_free_blocks_for_its_step_and_lets_go_of_what_was_rejected():
+    sched = Scheduler(num_blocks=8, block_size=2, max_running=2, prefill_chunk=16)
+    seq = Sequence([1, 2, 3])
+    sched.add(seq)
+    sched.update(sched.schedule())  # the prompt
+    seq.append(4)
+    seq.draft = [5, 6, 7, 8]
+    step = sched.schedule()
+    (piece,) = step.pieces
+    assert (piece.start, piece.n, piece.draft) == (3, 5, [5, 6, 7, 8])
+    assert len(seq.blocks) == 4  # positions 3 .. 7 fed
+    piece.n = 2  # the model kept the newest token and one drafted token
+    seq.tokens += [5]
+    sched.update(step)
+    assert seq.computed == 5 and len(seq.blocks) == 3 and seq.draft == []  # room for position 5, no more
+    assert sched.pool.used == 3
+
+
+def test_a_draft_takes_no_block_another_sequence_needs():
+    sched = Scheduler(num_blocks=4, block_size=2, max_running=2, prefill_chunk=16)
+    a, b = Sequence([1, 2, 3]), Sequence([9, 8])
+    for seq in (a, b):
+        sched.add(seq)
+    sched.update(sched.schedule())
+    a.append(4)
+    b.append(7)
+    a.draft = [5, 6, 7]
+    step = sched.schedule()
+    assert all(s.status == RUNNING for s in (a, b)) and not step.preempted
+    (pa, pb) = step.pieces
+    assert pa.draft == [] and pa.n == 1  # a holds positions 0-3; the only free block went to b's next position
+    assert len(b.blocks) == 2

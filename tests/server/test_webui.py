@@ -124,7 +124,8 @@ class Page:
         li = self.replies()[i]
         stats = li.find_element(self.By.CSS_SELECTOR, ".stats")
         data = {k: stats.get_attribute(f"data-{k}") for k in ("finish", "prompt-tokens", "cached-tokens",
-                                                                 "completion-tokens")}
+                                                                 "completion-tokens", "disk-tokens", "drafted-tokens",
+                                                                 "accepted-tokens")}
         return {"text": li.find_element(self.By.CSS_SELECTOR, ".content").get_property("textContent"),
                 "stats": stats.text, **data}
 
@@ -226,6 +227,35 @@ def test_the_cache_switch_off_reuses_nothing_and_gives_the_same_answer(browser, 
     assert int(on["cached-tokens"]) > 0  # the prompt just computed, reused once allowed
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a prime number."}]
     assert off["text"] == on["text"] == api_answer(server, messages, 24)[0]
+
+
+@pytest.mark.slow
+def test_each_reply_says_what_came_from_memory_and_disk_and_what_drafts_were_accepted(browser, ckpt, tmp_path):
+    """With --kv-cache-dir and --speculate ngram, a reply's line splits its cached prompt tokens into memory and disk,
+    and counts its drafted tokens as the API does; after a restart the same conversation's prompt comes from disk."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say one two three one two three."}]
+    shown = []
+    for turn in range(2):
+        server = Server(ckpt, "--api-key", KEY, "--parallel", "1", "--kv-cache-dir", tmp_path / "blocks",
+                        "--speculate", "ngram", max_seq_len=MAX_SEQ_LEN)
+        try:
+            page = Page(browser, server.url, KEY)
+            page.settings(SYSTEM, "0", "32")
+            page.type(messages[1]["content"], ENTER)
+            reply = page.wait_for_replies(1)
+            text, usage = api_answer(server, messages, 32)
+        finally:
+            assert server.stop() == 0, "\n".join(server.lines[-20:])
+        assert reply["text"] == text
+        details = usage.completion_tokens_details
+        assert int(reply["accepted-tokens"]) == details.accepted_prediction_tokens
+        assert int(reply["drafted-tokens"]) == details.accepted_prediction_tokens + details.rejected_prediction_tokens
+        assert "drafted tokens accepted" in reply["stats"] or "no token drafted" in reply["stats"]
+        cached, disk = int(reply["cached-tokens"]), int(reply["disk-tokens"])
+        assert f"({cached - disk} from memory, {disk} from disk)" in reply["stats"]
+        shown.append((reply["text"], cached, disk))
+    (first, _, first_disk), (again, cached, disk) = shown
+    assert first_disk == 0 and disk > 0 and again == first  # the restarted server loaded the prompt's blocks
 
 
 @pytest.mark.slow
