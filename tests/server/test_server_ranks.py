@@ -77,6 +77,25 @@ def test_two_processes_give_one_process_answers_and_stop_together(checkpoints, l
     assert not any("exitcode" in line and "-9" in line for line in server.lines)  # no rank had to be killed
 
 
+def test_speculation_under_torchrun_gives_one_process_answers(checkpoints, llama):
+    """Every rank feeds a draft's tokens as rows of the step (rank 0 sends the drafts with the rows), so the
+    drafted positions' keys and values land in both ranks' slices alike."""
+    server = start(checkpoints[2], "--speculate", "ngram", "--draft-tokens", "3")
+    try:
+        prompt = llama.tokenizer.encode("one two three four one two three four one two three", bos=True, eos=False)
+        tokens, _ = solo(llama, prompt, 24)
+        r = server.client().completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == continuation(llama, prompt, tokens)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: ask_question(server, i, 24), range(4)))
+        for messages, text in answers:
+            assert text == solo_chat(llama, messages, 24)[0]
+        assert server.metrics()["llama_kv_speculative_drafted_tokens_total"] > 0
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
+
+
 def test_a_rank_that_dies_takes_the_server_down_saying_why(checkpoints):
     server = start(checkpoints[2])
     try:
