@@ -84,17 +84,17 @@ def start_ours(ckpt_dir: Optional[str], threads: int, parallel: int, max_seq_len
     return proc
 
 
-def build_llama_cpp(cache_dir: Path, threads: int) -> Path:
-    """llama.cpp's tools (llama-server, llama-quantize), built once from the llama-cpp-python sdist's vendored tree."""
+def build_llama_cpp(cache_dir: Path, threads: int, targets=("llama-server", "llama-quantize")) -> Path:
+    """llama.cpp's tools (`targets`), built once from the llama-cpp-python sdist's vendored tree."""
     from llama.convert.llama2_vocab import SDIST_REQUIREMENT
     from llama.convert.pip_fetch import pip_download
 
     bin_dir = cache_dir / "build" / "bin"
-    if (bin_dir / "llama-server").exists() and (bin_dir / "llama-quantize").exists():
+    if all((bin_dir / target).exists() for target in targets):
         return bin_dir
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
-            raise SystemExit(f"building llama.cpp's server needs {tool}; install it or pass --ours-only")
+            raise SystemExit(f"building llama.cpp's tools needs {tool}; install it or leave llama.cpp out")
     src = cache_dir / "src"
     if not (src / "CMakeLists.txt").exists():
         print(f"fetching {SDIST_REQUIREMENT} (the source of llama.cpp's server) ...", file=sys.stderr, flush=True)
@@ -104,25 +104,25 @@ def build_llama_cpp(cache_dir: Path, threads: int) -> Path:
         vendored = next((cache_dir / "unpacked").glob("*/vendor/llama.cpp"))
         shutil.rmtree(src, ignore_errors=True)
         shutil.move(str(vendored), src)
-    print("building llama.cpp's llama-server and llama-quantize (minutes) ...", file=sys.stderr, flush=True)
+    print(f"building llama.cpp's {' and '.join(targets)} (minutes) ...", file=sys.stderr, flush=True)
     build = cache_dir / "build"
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
                     "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "llama-quantize", "-j", str(threads)],
-                   check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", *targets, "-j", str(threads)], check=True)
     return bin_dir
 
 
-def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int) -> Path:
-    """The default model as an F32 GGUF, dequantized from the shipped Q4_1 file by llama.cpp's own quantizer."""
+def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int, gguf_type: str = "F32") -> Path:
+    """The default model as an F32 GGUF (or `gguf_type`: Q8_0, Q4_0, ...), made from the shipped Q4_1 file by
+    llama.cpp's own quantizer, every tensor in that type: F32 holds exactly the dequantized values."""
     from llama.convert.fetch import default_model_gguf
 
     source = default_model_gguf()
-    out = cache_dir / f"{source.stem.split('.')[0]}.F32.gguf"
+    out = cache_dir / f"{source.stem.split('.')[0]}.{gguf_type}.gguf"
     if not out.exists():
         partial = out.with_suffix(".partial")
         subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--pure", str(source), str(partial),
-                        "F32", str(threads)], check=True, stdout=subprocess.DEVNULL)
+                        gguf_type, str(threads)], check=True, stdout=subprocess.DEVNULL)
         partial.rename(out)
     return out
 

@@ -1,27 +1,45 @@
-// Attention computed one query row at a time, in one fixed order: a row's result never depends on how many
-// rows came with it, or on keys its mask hides. The integer kernels need that: rounding activations to int8
-// turns the 1e-7 by which batched and one-at-a-time attention otherwise differ into steps of whole int8 units
-// that grow through the layers, so cached and uncached runs would part. With this op and the integer kernels
-// (whose rows are independent too) they give the same bits.
+// Attention computed query row by query row, each row in one fixed order: a row's result never depends on how
+// many rows came with it, on keys its mask hides, or on the number of threads. The integer kernels need that:
+// rounding activations to int8 turns the 1e-7 by which batched and one-at-a-time attention otherwise differ into
+// steps of whole int8 units that grow through the layers, so cached and uncached runs would part. With this op
+// and the integer kernels (whose rows are independent too) they give the same bits.
 //
 //   attention(q, k, v, mask) -> out     q (B, H, Nq, D), k and v (B, H, Nk, D), mask additive or None, one for
 //                                       all rows (Nq, Nk) or one per row (B, 1, Nq, Nk); float32 or bf16;
 //                                       F.scaled_dot_product_attention's arguments and result
 //
-// Per row: s_j = dot(q, k_j) / sqrt(D) + mask_j over the keys whose mask is not -inf (the others are skipped:
-// they would add exactly nothing), m = max s_j, e_j = exp(s_j - m), out = (sum_j e_j v_j) / (sum_j e_j), the
-// sums taken over j in order. A dot product runs 8 partial sums over D and adds them in a fixed tree; the
-// compiler may vectorize those loops but not reorder them (no -ffast-math, no contraction). Where the CPU has
-// AVX2 (and the kernels' path is not forced below it), float32 rows run the same operations written 8 lanes at
-// a time (a multiply, then an add: the same bits): 16.9 against 27.8 us for 9 heads of 64 at 136 keys.
+// Per row, flash attention's online softmax over blocks of kKeyBlock keys that start at multiples of kKeyBlock
+// from key 0, in order (so where a block starts never depends on the rows computed together). In a block, over
+// the keys whose mask is not -inf (the others are skipped: they would add exactly nothing, and a block without
+// one is skipped whole, so a causal row never reads past its position):
+//
+//     s_j = dot(q, k_j) * (1 / sqrt(D)) + mask_j        bm = max s_j
+//     if bm > m:  a = exp(m - bm), l = l * a, acc = acc * a, m = bm
+//     e_j = exp(s_j - m), acc = acc + e_j * v_j                     j in order
+//     l = l + sum_j e_j
+//
+// and out = acc / l. A dot product runs 8 partial sums over D (lane l sums d = l mod 8, in order) and adds them in
+// the tree ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)); the block's sum of weights is taken the same way over j (lane
+// j mod 8, counted from the block's start: a hidden key's lane adds nothing). exp is `exp_neg` below, not the C library's, so that it can
+// be written 8 lanes at a time with the same operations. The compiler may vectorize the loops but not reorder or
+// fuse them (no -ffast-math, -ffp-contract=off: a multiply, then an add).
+//
+// Where the CPU has AVX2 (and the kernels' path is not forced below it), float32 and bf16 inputs (bf16 widened to
+// float32, which is exact) run the same operations 8 lanes at a time, and up to kRowTile rows of one (b, h) meet
+// each key block together, so that the block's keys and values are read from the cache once for all of them:
+// each row's operations and their order are still exactly those above, so the scalar loop and the AVX2 one give
+// the same bits, and a row gives the same bits alone (a cached step) as among all rows (an uncached pass). For
+// finite inputs: NaNs propagate, but not necessarily with the same bits on both paths.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -30,8 +48,31 @@
 namespace llama_kv {
 namespace {
 
+constexpr int64_t kKeyBlock = 64;  // keys a row's online softmax takes at once; blocks start at its multiples
+constexpr int64_t kRowTile = 8;    // most rows of one (b, h) that meet each key block together (AVX2 path)
+constexpr float kHidden = -std::numeric_limits<float>::infinity();
+
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial in r, times 2^n), within
+// 2 ulp; 0 below -87, where e^x leaves float32's normal range (and it weighs nothing beside the row's max, e^0).
+constexpr float kExpLow = -87.0f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float exp_neg(float x) {
+  if (x < kExpLow) return 0.0f;
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = kExpP[0];
+  for (int i = 1; i < 6; i++) p = p * r + kExpP[i];
+  const float y = (p * (r * r) + r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
 
 inline float dot(const float* q, const float* k, int64_t D) {
   float lanes[8] = {};
@@ -51,49 +92,69 @@ struct Rows {
   int64_t qs[3], ks[3], vs[3];  // strides of b, h and the row
   int64_t mb, mi, mj;           // the mask's strides for row b, query i, key j
   float scale;
+
+  float mask_at(int64_t b, int64_t i, int64_t j) const { return mask ? to_float(mask[b * mb + i * mi + j * mj]) : 0.0f; }
 };
 
-constexpr float kHidden = -std::numeric_limits<float>::infinity();
-
+// The reference: row i of (b, h), exactly the operations of the header, one at a time.
 template <typename T>
-void attend_range(const Rows<T>& a, int64_t r0, int64_t r1) {
-  std::vector<float> qrow(a.D), krow(a.D), acc(a.D), scores(a.Nk);
+void attend_row(const Rows<T>& a, int64_t b, int64_t h, int64_t i, float* qrow, float* krow, float* acc, float* s) {
   const int64_t D = a.D;
-  for (int64_t r = r0; r < r1; r++) {
-    const int64_t b = r / (a.H * a.Nq), h = r / a.Nq % a.H, i = r % a.Nq;
-    const T* qi = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
-    for (int64_t d = 0; d < D; d++) qrow[d] = to_float(qi[d]);
-    const T* kb = a.k + b * a.ks[0] + h * a.ks[1];
-    const T* vb = a.v + b * a.vs[0] + h * a.vs[1];
-    float m = kHidden;
-    for (int64_t j = 0; j < a.Nk; j++) {
-      const float mv = a.mask ? to_float(a.mask[b * a.mb + i * a.mi + j * a.mj]) : 0.0f;
+  const T* qi = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
+  for (int64_t d = 0; d < D; d++) qrow[d] = to_float(qi[d]);
+  const T* kb = a.k + b * a.ks[0] + h * a.ks[1];
+  const T* vb = a.v + b * a.vs[0] + h * a.vs[1];
+  float m = kHidden, l = 0.0f;
+  std::fill(acc, acc + D, 0.0f);
+  for (int64_t j0 = 0; j0 < a.Nk; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, a.Nk - j0);
+    float bm = kHidden;
+    for (int64_t j = 0; j < n; j++) {
+      const float mv = a.mask_at(b, i, j0 + j);
       if (mv == kHidden) {
-        scores[j] = kHidden;
+        s[j] = kHidden;
         continue;
       }
-      const T* kj = kb + j * a.ks[2];
+      const T* kj = kb + (j0 + j) * a.ks[2];
       for (int64_t d = 0; d < D; d++) krow[d] = to_float(kj[d]);
-      float s = dot(qrow.data(), krow.data(), D) * a.scale;
-      if (mv != 0.0f) s += mv;
-      scores[j] = s;
-      m = std::max(m, s);
+      s[j] = dot(qrow, krow, D) * a.scale + mv;
+      bm = std::max(bm, s[j]);
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    float total = 0.0f;
-    for (int64_t j = 0; j < a.Nk; j++) {
-      if (scores[j] == kHidden) continue;
-      const float e = std::exp(scores[j] - m);
-      total += e;
-      const T* vj = vb + j * a.vs[2];
+    if (bm == kHidden) continue;
+    if (bm > m) {
+      const float alpha = exp_neg(m - bm);
+      l *= alpha;
+      for (int64_t d = 0; d < D; d++) acc[d] *= alpha;
+      m = bm;
+    }
+    float lanes[8] = {};
+    for (int64_t j = 0; j < n; j++) {
+      if (s[j] == kHidden) continue;
+      const float e = exp_neg(s[j] - m);
+      lanes[j % 8] += e;
+      const T* vj = vb + (j0 + j) * a.vs[2];
       for (int64_t d = 0; d < D; d++) acc[d] += e * to_float(vj[d]);
     }
-    T* oi = a.out + ((b * a.H + h) * a.Nq + i) * D;
-    for (int64_t d = 0; d < D; d++) oi[d] = static_cast<T>(acc[d] / total);
+    l += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   }
+  T* oi = a.out + ((b * a.H + h) * a.Nq + i) * D;
+  for (int64_t d = 0; d < D; d++) oi[d] = static_cast<T>(acc[d] / l);
 }
 
 #if LLAMA_KV_X86
+// `exp_neg` 8 lanes at a time: the same operations on each lane.
+LK_AVX2 inline __m256 exp_neg8(__m256 x) {
+  const __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLow), _CMP_LT_OQ);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Hi))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(kLn2Lo)));
+  __m256 p = _mm256_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; i++) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpP[i]));
+  const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(low, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+
 // `dot` 8 lanes at a time: lane l sums the products of d = l mod 8, multiplied then added, as the loop above.
 LK_AVX2 inline float dot_avx2(const float* q, const float* k, int64_t D) {
   __m256 sum = _mm256_setzero_ps();
@@ -105,42 +166,228 @@ LK_AVX2 inline float dot_avx2(const float* q, const float* k, int64_t D) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-// `attend_range` for float32, its loops over D 8 lanes at a time; every float operation is the same one.
-LK_AVX2 void attend_range_avx2(const Rows<float>& a, int64_t r0, int64_t r1) {
-  std::vector<float> acc(a.D), scores(a.Nk);
-  const int64_t D = a.D;
-  for (int64_t r = r0; r < r1; r++) {
-    const int64_t b = r / (a.H * a.Nq), h = r / a.Nq % a.H, i = r % a.Nq;
-    const float* qi = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
-    const float* kb = a.k + b * a.ks[0] + h * a.ks[1];
-    const float* vb = a.v + b * a.vs[0] + h * a.vs[1];
-    float m = kHidden;
-    for (int64_t j = 0; j < a.Nk; j++) {
-      const float mv = a.mask ? a.mask[b * a.mb + i * a.mi + j * a.mj] : 0.0f;
-      if (mv == kHidden) {
-        scores[j] = kHidden;
-        continue;
+// s[r][c] = dot(q[r], k_c) * scale + s[r][c] for NR rows and 4 keys (k_c = k + c * kstride), D a multiple of 8:
+// `dot_avx2`'s lanes, summed by two horizontal adds in `dot`'s tree (hadd(a, b) adds lanes 2t and 2t + 1).
+template <int NR>
+LK_AVX2 inline void dots_x4(const float* const* q, const float* k, int64_t kstride, int64_t D, float scale, float* const* s) {
+  __m256 acc[NR][4];
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 kv[4];
+    for (int c = 0; c < 4; c++) kv[c] = _mm256_loadu_ps(k + c * kstride + d);
+    for (int r = 0; r < NR; r++) {
+      const __m256 qv = _mm256_loadu_ps(q[r] + d);
+      for (int c = 0; c < 4; c++) acc[r][c] = _mm256_add_ps(acc[r][c], _mm256_mul_ps(qv, kv[c]));
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    // lanes of g: key c's ((0 + 1) + (2 + 3)) at c, its ((4 + 5) + (6 + 7)) at 4 + c
+    const __m256 g = _mm256_hadd_ps(_mm256_hadd_ps(acc[r][0], acc[r][1]), _mm256_hadd_ps(acc[r][2], acc[r][3]));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(g), _mm256_extractf128_ps(g, 1));
+    _mm_storeu_ps(s[r], _mm_add_ps(_mm_mul_ps(sums, _mm_set1_ps(scale)), _mm_loadu_ps(s[r])));
+  }
+}
+
+// acc[r][d0 .. d0 + 8 NC) += e[r][j] * v_j for NR rows, j = 0 .. n in order (v_j = v + j * vstride).
+template <int NR, int NC>
+LK_AVX2 inline void values_tile(float* const* acc, const float* const* e, const float* v, int64_t vstride, int64_t n,
+                                int64_t d0) {
+  __m256 sum[NR][NC];
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < NC; c++) sum[r][c] = _mm256_loadu_ps(acc[r] + d0 + 8 * c);
+  for (int64_t j = 0; j < n; j++) {
+    __m256 vv[NC];
+    for (int c = 0; c < NC; c++) vv[c] = _mm256_loadu_ps(v + j * vstride + d0 + 8 * c);
+    for (int r = 0; r < NR; r++) {
+      const __m256 ev = _mm256_broadcast_ss(e[r] + j);
+      for (int c = 0; c < NC; c++) sum[r][c] = _mm256_add_ps(sum[r][c], _mm256_mul_ps(ev, vv[c]));
+    }
+  }
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < NC; c++) _mm256_storeu_ps(acc[r] + d0 + 8 * c, sum[r][c]);
+}
+
+template <int NR>
+LK_AVX2 void values_rows(float* const* acc, const float* const* e, const float* v, int64_t vstride, int64_t n, int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 16 <= D; d0 += 16) values_tile<NR, 2>(acc, e, v, vstride, n, d0);
+  for (; d0 + 8 <= D; d0 += 8) values_tile<NR, 1>(acc, e, v, vstride, n, d0);
+}
+
+// acc += e * v over D, 8 lanes at a time, the tail one by one: the same operation on every element.
+LK_AVX2 inline void add_scaled(float* acc, float e, const float* v, int64_t D) {
+  const __m256 ev = _mm256_set1_ps(e);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(acc + d, _mm256_add_ps(_mm256_loadu_ps(acc + d), _mm256_mul_ps(ev, _mm256_loadu_ps(v + d))));
+  for (; d < D; d++) acc[d] += e * v[d];
+}
+
+LK_AVX2 inline void widen(const float* x, float* y, int64_t n) { std::memcpy(y, x, n * sizeof(float)); }
+
+LK_AVX2 inline void widen(const at::BFloat16* x, float* y, int64_t n) {
+  const uint16_t* u = reinterpret_cast<const uint16_t*>(x);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + i)));
+    _mm256_storeu_ps(y + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < n; i++) y[i] = static_cast<float>(x[i]);
+}
+
+// s[0 .. n) = row i's mask over keys j0 .. j0 + n (0 without one); returns how many of them it does not hide.
+template <typename T>
+LK_AVX2 int64_t mask_block(const Rows<T>& a, int64_t b, int64_t i, int64_t j0, int64_t n, float* s) {
+  if (!a.mask) {
+    std::fill(s, s + n, 0.0f);
+    return n;
+  }
+  const T* mrow = a.mask + b * a.mb + i * a.mi + j0 * a.mj;
+  if (a.mj != 1) {
+    for (int64_t j = 0; j < n; j++) s[j] = to_float(mrow[j * a.mj]);
+  } else {
+    widen(mrow, s, n);
+  }
+  int64_t hidden = 0, j = 0;
+  for (; j + 8 <= n; j += 8)
+    hidden += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(kHidden), _CMP_EQ_OQ)));
+  for (; j < n; j++) hidden += s[j] == kHidden;
+  return n - hidden;
+}
+
+// A thread's buffers for one tile of rows: their queries (widened), accumulators, scores and weights of one key
+// block, and (bf16) the block's keys and values widened.
+struct Tile {
+  std::vector<float> q, acc, s, e, k, v;
+  Tile(int64_t D) : q(kRowTile * D), acc(kRowTile * D), s(kRowTile * kKeyBlock), e(kRowTile * kKeyBlock),
+                    k(kKeyBlock * D), v(kKeyBlock * D) {}
+};
+
+// Rows i0 .. i1 of (b, h) together, each row exactly `attend_row`'s operations in its order.
+template <typename T>
+LK_AVX2 void attend_tile_avx2(const Rows<T>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, Tile& t) {
+  constexpr bool wide = std::is_same<T, float>::value;
+  const int64_t D = a.D, R = i1 - i0;
+  const bool lanes = D % 8 == 0;  // the tiled products need whole vectors; else each key alone, via dot_avx2
+  float *q[kRowTile], *acc[kRowTile], *s[kRowTile], *e[kRowTile];
+  float m[kRowTile], l[kRowTile];
+  for (int64_t r = 0; r < R; r++) {
+    q[r] = t.q.data() + r * D, acc[r] = t.acc.data() + r * D;
+    s[r] = t.s.data() + r * kKeyBlock, e[r] = t.e.data() + r * kKeyBlock;
+    widen(a.q + b * a.qs[0] + h * a.qs[1] + (i0 + r) * a.qs[2], q[r], D);
+    std::fill(acc[r], acc[r] + D, 0.0f);
+    m[r] = kHidden, l[r] = 0.0f;
+  }
+  const T* kb = a.k + b * a.ks[0] + h * a.ks[1];
+  const T* vb = a.v + b * a.vs[0] + h * a.vs[1];
+  for (int64_t j0 = 0; j0 < a.Nk; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, a.Nk - j0);
+    // Each row's mask over the block into its scores: whole (every key seen), partly seen, or not at all.
+    int full[kRowTile], part[kRowTile], nfull = 0, npart = 0;
+    for (int64_t r = 0; r < R; r++) {
+      const int64_t seen = mask_block(a, b, i0 + r, j0, n, s[r]);
+      if (seen == n) full[nfull++] = int(r);
+      else if (seen > 0) part[npart++] = int(r);
+    }
+    if (nfull + npart == 0) continue;
+    const float *kp, *vp;
+    int64_t kstride, vstride;
+    if constexpr (wide) {
+      kp = kb + j0 * a.ks[2], kstride = a.ks[2], vp = vb + j0 * a.vs[2], vstride = a.vs[2];
+    } else {
+      for (int64_t j = 0; j < n; j++) {
+        widen(kb + (j0 + j) * a.ks[2], t.k.data() + j * D, D);
+        widen(vb + (j0 + j) * a.vs[2], t.v.data() + j * D, D);
       }
-      float s = dot_avx2(qi, kb + j * a.ks[2], D) * a.scale;
-      if (mv != 0.0f) s += mv;
-      scores[j] = s;
-      m = std::max(m, s);
+      kp = t.k.data(), kstride = D, vp = t.v.data(), vstride = D;
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    float total = 0.0f;
-    for (int64_t j = 0; j < a.Nk; j++) {
-      if (scores[j] == kHidden) continue;
-      const float e = std::exp(scores[j] - m);
-      total += e;
-      const float* vj = vb + j * a.vs[2];
-      const __m256 ev = _mm256_set1_ps(e);
-      int64_t d = 0;
-      for (; d + 8 <= D; d += 8)
-        _mm256_storeu_ps(acc.data() + d, _mm256_add_ps(_mm256_loadu_ps(acc.data() + d), _mm256_mul_ps(ev, _mm256_loadu_ps(vj + d))));
-      for (; d < D; d++) acc[d] += e * vj[d];
+    // Scores: rows seen whole two at a time against 4 keys at a time; the rest key by key.
+    int64_t jt = 0;
+    if (lanes) {
+      jt = n / 4 * 4;
+      int f = 0;
+      for (; f + 2 <= nfull; f += 2) {
+        const float* qq[2] = {q[full[f]], q[full[f + 1]]};
+        for (int64_t j = 0; j < jt; j += 4) {
+          float* ss[2] = {s[full[f]] + j, s[full[f + 1]] + j};
+          dots_x4<2>(qq, kp + j * kstride, kstride, D, a.scale, ss);
+        }
+      }
+      if (f < nfull) {
+        const float* qq[1] = {q[full[f]]};
+        for (int64_t j = 0; j < jt; j += 4) {
+          float* ss[1] = {s[full[f]] + j};
+          dots_x4<1>(qq, kp + j * kstride, kstride, D, a.scale, ss);
+        }
+      }
     }
-    float* oi = a.out + ((b * a.H + h) * a.Nq + i) * D;
-    for (int64_t d = 0; d < D; d++) oi[d] = acc[d] / total;
+    for (int f = 0; f < nfull; f++)
+      for (int64_t j = jt; j < n; j++) s[full[f]][j] += dot_avx2(q[full[f]], kp + j * kstride, D) * a.scale;
+    for (int p = 0; p < npart; p++)
+      for (int64_t j = 0; j < n; j++)
+        if (s[part[p]][j] != kHidden) s[part[p]][j] += dot_avx2(q[part[p]], kp + j * kstride, D) * a.scale;
+    // Each seen row: its max, rescaled sums, weights, and their sum in key order.
+    for (int u = 0; u < nfull + npart; u++) {
+      const int r = u < nfull ? full[u] : part[u - nfull];
+      __m256 bm8 = _mm256_set1_ps(kHidden);
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) bm8 = _mm256_max_ps(bm8, _mm256_loadu_ps(s[r] + j));
+      float top[8];
+      _mm256_storeu_ps(top, bm8);
+      float bm = kHidden;
+      for (int c = 0; c < 8; c++) bm = std::max(bm, top[c]);
+      for (; j < n; j++) bm = std::max(bm, s[r][j]);
+      if (bm > m[r]) {
+        const float alpha = exp_neg(m[r] - bm);
+        l[r] *= alpha;
+        const __m256 a8 = _mm256_set1_ps(alpha);
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(acc[r] + d, _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d), a8));
+        for (; d < D; d++) acc[r][d] *= alpha;
+        m[r] = bm;
+      }
+      const __m256 m8 = _mm256_set1_ps(m[r]);
+      // The block's sum of weights as `dot` sums: 8 lanes, then the tree (a hidden key's weight is +0, which
+      // changes no sum: adding it is skipping it).
+      __m256 sum8 = _mm256_setzero_ps();
+      for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 e8 = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s[r] + j), m8));
+        _mm256_storeu_ps(e[r] + j, e8);
+        sum8 = _mm256_add_ps(sum8, e8);
+      }
+      float lane[8];
+      _mm256_storeu_ps(lane, sum8);
+      for (int c = 0; j < n; j++, c++) {
+        e[r][j] = exp_neg(s[r][j] - m[r]);
+        lane[c] += e[r][j];
+      }
+      l[r] += ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    }
+    // Values: rows seen whole four at a time, sharing each load of v; the others key by key.
+    if (lanes) {
+      int f = 0;
+      for (; f + 4 <= nfull; f += 4) {
+        float* aa[4] = {acc[full[f]], acc[full[f + 1]], acc[full[f + 2]], acc[full[f + 3]]};
+        const float* ee[4] = {e[full[f]], e[full[f + 1]], e[full[f + 2]], e[full[f + 3]]};
+        values_rows<4>(aa, ee, vp, vstride, n, D);
+      }
+      for (; f < nfull; f++) {
+        float* aa[1] = {acc[full[f]]};
+        const float* ee[1] = {e[full[f]]};
+        values_rows<1>(aa, ee, vp, vstride, n, D);
+      }
+    } else {
+      for (int f = 0; f < nfull; f++)
+        for (int64_t j = 0; j < n; j++) add_scaled(acc[full[f]], e[full[f]][j], vp + j * vstride, D);
+    }
+    for (int p = 0; p < npart; p++)
+      for (int64_t j = 0; j < n; j++)
+        if (s[part[p]][j] != kHidden) add_scaled(acc[part[p]], e[part[p]][j], vp + j * vstride, D);
+  }
+  for (int64_t r = 0; r < R; r++) {
+    T* oi = a.out + ((b * a.H + h) * a.Nq + i0 + r) * D;
+    for (int64_t d = 0; d < D; d++) oi[d] = static_cast<T>(acc[r][d] / l[r]);
   }
 }
 #endif
@@ -163,16 +410,33 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   a.scale = 1.0f / std::sqrt(float(a.D));
   bool avx2 = false;
 #if LLAMA_KV_X86
-  avx2 = std::is_same<T, float>::value && kernel_path() >= kAvx2;
+  avx2 = kernel_path() >= kAvx2;
 #endif
-  const int64_t rows = q.size(0) * a.H * a.Nq;
-  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, a.Nk * a.D)), [&](int64_t r0, int64_t r1) {
+  // Work items are tiles of rows of one (b, h). How rows are grouped changes no bit, so it is chosen for speed:
+  // kRowTile rows where there are enough (a prompt), single rows where tiles would leave threads idle (a decode
+  // step's few rows). Within a (b, h) tiles are taken from both ends in turn, so that a thread's contiguous share
+  // of a causal mask's triangle holds short and long rows alike.
+  const int64_t BH = q.size(0) * a.H;
+  const int64_t R = avx2 ? std::clamp<int64_t>(BH * a.Nq / (4 * at::get_num_threads()), 1, kRowTile) : 1;
+  const int64_t tiles = (a.Nq + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, R * a.Nk * a.D));
+  at::parallel_for(0, BH * tiles, grain, [&](int64_t w0, int64_t w1) {
+    std::vector<float> qrow(a.D), krow(a.D), acc(a.D), s(kKeyBlock);
 #if LLAMA_KV_X86
-    if constexpr (std::is_same<T, float>::value) {
-      if (avx2) return attend_range_avx2(a, r0, r1);
-    }
+    std::unique_ptr<Tile> tile(avx2 ? new Tile(a.D) : nullptr);
 #endif
-    attend_range(a, r0, r1);
+    for (int64_t w = w0; w < w1; w++) {
+      const int64_t bh = w / tiles, u = w % tiles;
+      const int64_t b = bh / a.H, h = bh % a.H;
+      const int64_t i0 = (u % 2 == 0 ? u / 2 : tiles - 1 - u / 2) * R, i1 = std::min(i0 + R, a.Nq);
+#if LLAMA_KV_X86
+      if (avx2) {
+        attend_tile_avx2(a, b, h, i0, i1, *tile);
+        continue;
+      }
+#endif
+      for (int64_t i = i0; i < i1; i++) attend_row(a, b, h, i, qrow.data(), krow.data(), acc.data(), s.data());
+    }
   });
 }
 

@@ -1,0 +1,115 @@
+"""Prompt processing and decode speed by context length, ours against llama.cpp's llama-bench on the same weights.
+
+    python scripts/bench_context.py [--prompts 512,2048,8192] [--contexts 0,2048,8192] [--new_tokens 128]
+        [--quantize none,int8,int4] [--threads 2] [--repeats 2] [--nollamacpp] [--ik_llama_bench PATH]
+        [--cache_dir DIR]
+
+Ours: the default model (SmolLM2-135M-Instruct) in each --quantize (none: float32 with torch's fused attention;
+int8 / int4: the integer kernels, with the row-exact blocked attention), batch 1, the decode step compiled and
+stored as users get it (built before any timing). Prompt processing: a prompt of N random tokens read at once
+and its first token, N / seconds. Decode: after a context of N tokens (read untimed; 0: a one-token prompt),
+--new_tokens greedy tokens, timestamped per step, tokens/s over those after the first.
+
+llama.cpp: its llama-bench, built once into --cache_dir from the llama-cpp-python sdist's vendored tree
+(scripts/bench_server.py's `build_llama_cpp`, cmake and a C++ compiler needed), on GGUFs its own llama-quantize
+makes from the shipped Q4_1 file (F32, Q8_0 and Q4_0 for none, int8 and int4): `-p N -n 0` and
+`-p 0 -n 128 -d N`, each with flash attention off and on (`-fa 0,1`), the faster counted. --ik_llama_bench names
+ik_llama.cpp's llama-bench, run alike with `-rtr 1` (weights repacked at load). Each runner's repeats are its
+own (llama-bench's `-r`); ours alternate with llama.cpp's per --quantize. Medians, tokens/s.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import fire
+import torch
+
+from bench_server import build_llama_cpp, f32_gguf
+from llama import Llama
+from llama.convert.fetch import default_model_dir
+
+GGUF_TYPES = {"none": "F32", "int8": "Q8_0", "int4": "Q4_0"}
+
+
+def _list(value) -> List[str]:
+    """fire gives "1,2" as a tuple, "7" as an int."""
+    return [str(v).strip() for v in (value if isinstance(value, (tuple, list)) else str(value).split(","))]
+
+
+def _random_prompt(llama: Llama, n: int, seed: int) -> List[int]:
+    ids = torch.randint(1, llama.model.vocab_size, (max(n, 1),), generator=torch.Generator().manual_seed(seed))
+    return ids.tolist()
+
+
+def ours(quantize: str, prompts: List[int], contexts: List[int], new_tokens: int, repeats: int) -> Dict[str, float]:
+    """{"pp N": tokens/s, "tg N": tokens/s} of our model quantized so."""
+    llama = Llama.build(default_model_dir(), max_seq_len=max(prompts + contexts) + new_tokens + 8, max_batch_size=1,
+                        compile=True, quantize=None if quantize == "none" else quantize)
+    llama.generate([_random_prompt(llama, 8, 0)], 4, temperature=0)  # the first call's one-time costs
+    rates: Dict[str, List[float]] = {}
+    for repeat in range(repeats):
+        for n in prompts:
+            prompt = _random_prompt(llama, n, repeat)
+            start = time.perf_counter()
+            llama.generate([prompt], 1, temperature=0)
+            rates.setdefault(f"pp {n}", []).append(n / (time.perf_counter() - start))
+        for n in contexts:
+            stamps = []
+            llama.generate([_random_prompt(llama, n, repeat)], new_tokens, temperature=0, ignore_stop=True,
+                           on_step=lambda *_: stamps.append(time.perf_counter()))
+            rates.setdefault(f"tg {n}", []).append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    return {key: statistics.median(values) for key, values in rates.items()}
+
+
+def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int], new_tokens: int, threads: int,
+                repeats: int, extra: List[str]) -> Dict[str, float]:
+    """{"pp N": tokens/s, "tg N": tokens/s} from a llama-bench, the faster of flash attention off and on."""
+    common = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-fa", "0,1", "-o", "json", *extra]
+    runs = [["-p", ",".join(map(str, prompts)), "-n", "0"],
+            ["-p", "0", "-n", str(new_tokens), "-d", ",".join(map(str, contexts))]]
+    rates: Dict[str, float] = {}
+    for args in runs:
+        result = subprocess.run(common + args, capture_output=True, text=True, check=True)
+        for test in json.loads(result.stdout):
+            if test["n_gen"]:
+                key = f"tg {test.get('n_depth', 0)}"
+            else:
+                key = f"pp {test['n_prompt']}"
+            rates[key] = max(rates.get(key, 0.0), float(test["avg_ts"]))
+    return rates
+
+
+def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128, quantize="none,int8,int4",
+         threads: int = 2, repeats: int = 2, llamacpp: bool = True, ik_llama_bench: Optional[str] = None,
+         cache_dir: Optional[str] = None):
+    """Measure ours and llama.cpp's llama-bench (and ik_llama.cpp's, if named); see the module docstring."""
+    torch.set_num_threads(threads)
+    prompt_counts = [int(n) for n in _list(prompts)]
+    context_counts = [int(n) for n in _list(contexts)]
+    cache = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-kv-bench-server"
+    bin_dir = build_llama_cpp(cache, threads, targets=("llama-bench", "llama-quantize")) if llamacpp else None
+    keys = [f"pp {n}" for n in prompt_counts] + [f"tg {n}" for n in context_counts]
+    print(f"tokens/s, {threads} threads; pp N: a prompt of N tokens; tg N: {new_tokens} tokens after N of context")
+    print(f"{'':>24}" + "".join(f"{k:>10}" for k in keys))
+    for q in _list(quantize):
+        runners = {f"llama-kv {q}": lambda q=q: ours(q, prompt_counts, context_counts, new_tokens, repeats)}
+        if bin_dir is not None or ik_llama_bench:
+            gguf = f32_gguf(bin_dir or Path(ik_llama_bench).parent, cache, threads, GGUF_TYPES[q])
+        if bin_dir is not None:
+            runners[f"llama.cpp {GGUF_TYPES[q]}"] = lambda gguf=gguf: llama_bench(
+                bin_dir / "llama-bench", gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])
+        if ik_llama_bench:
+            runners[f"ik_llama.cpp {GGUF_TYPES[q]}"] = lambda gguf=gguf: llama_bench(
+                Path(ik_llama_bench), gguf, prompt_counts, context_counts, new_tokens, threads, repeats, ["-rtr", "1"])
+        for name, run in runners.items():
+            rates = run()
+            print(f"{name:>24}" + "".join(f"{rates[k]:>10.1f}" if k in rates else f"{'-':>10}" for k in keys), flush=True)
+
+
+if __name__ == "__main__":
+    fire.Fire(main)
