@@ -31,17 +31,18 @@ DATA = REPO / "data" / "speculative"
 
 
 def build_packages(threads: int, draft_tokens: int) -> None:
-    """The server's stored decode steps for up to 8 x (1 + draft_tokens) rows, built here before any server starts
+    """The server's stored decode steps for the rows its steps feed, built here before any server starts
     (a server builds the ones it lacks in the background, serving eagerly meanwhile, which would be timed)."""
     import torch
 
     from llama import Llama
     from llama.convert.fetch import default_model_dir
     from llama.server.app import build_runner
+    from llama.server.engine import MAX_STEP_ROWS
 
     torch.set_num_threads(threads)
     llama = Llama.build(default_model_dir(), max_seq_len=2048, max_batch_size=8, compile_layers="auto")
-    runner, _, _ = build_runner(llama, parallel=8, compile="auto", rows_per_sequence=1 + draft_tokens)
+    runner, _, _ = build_runner(llama, parallel=8, compile="auto", max_rows=min(MAX_STEP_ROWS, 8 * (1 + draft_tokens)))
     if runner.compiled is not None and hasattr(runner.compiled, "wait"):
         runner.compiled.wait()
 

@@ -23,7 +23,7 @@ from llama.kv_cache import describe_kv_cache
 from llama.runtime.devices import available_memory
 from llama.runtime.progress import Progress
 from llama.server.disk_cache import DEFAULT_MAX_BYTES, DiskCache, check_disk_cache, prepare_directory
-from llama.server.engine import Engine
+from llama.server.engine import MAX_STEP_ROWS, Engine
 from llama.server.http import ServerState, create_app
 from llama.server.runner import Runner
 from llama.server.scheduler import Scheduler
@@ -39,11 +39,11 @@ def _quiet(line: str) -> None:
 
 def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
                  kv_cache: bool = True, compile: Union[bool, str] = False,
-                 progress: Optional[Progress] = None, rows_per_sequence: int = 1) -> Tuple[Runner, int, str]:
+                 progress: Optional[Progress] = None, max_rows: Optional[int] = None) -> Tuple[Runner, int, str]:
     """This rank's runner over `llama`'s model and a KV cache of `kv_cache_size` positions: a number, or a function
     of the bytes one position takes on this rank (which depends on the model and the ranks) that returns it;
-    default: room for `parallel` sequences of the model's max_seq_len. A decode step feeds up to
-    `rows_per_sequence` rows for each sequence (speculation's drafts: 1 + draft_tokens).
+    default: room for `parallel` sequences of the model's max_seq_len. A decode step feeds up to `max_rows` rows
+    (default `parallel`; more with speculation's drafts).
 
     Returns:
         the runner, its number of KV-cache blocks, and a line describing them.
@@ -85,7 +85,7 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
     if world_size > 1:
         line += f"; split over {world_size} processes"
     runner = Runner(model, num_blocks, block_size, compile=compile if kv_cache else False,
-                    max_rows=parallel * rows_per_sequence, progress=progress)
+                    max_rows=max_rows or parallel, progress=progress)
     if runner.compiled is not None:
         building = getattr(runner.compiled, "building", False)
         line += "; decode step compiled" + (" in the background (the eager step serves, with the same answers, "
@@ -136,7 +136,8 @@ def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
         check_disk_cache(kv_cache, llama.info.world_size)
         prepare_directory(kv_cache_dir)
     runner, num_blocks, line = build_runner(llama, parallel, kv_cache_size, block_size, kv_cache, compile, progress,
-                                            rows_per_sequence=1 + draft_tokens if speculate else 1)
+                                            max_rows=max(parallel, min(MAX_STEP_ROWS, parallel * (1 + draft_tokens)))
+                                            if speculate else parallel)
     if speculate:
         line += f"; speculative decoding by prompt lookup, up to {draft_tokens} drafted tokens a step"
     notes = list(runner.notes)
