@@ -172,7 +172,8 @@ class Llama:
             kv_cache_dtype: what the KV cache holds keys and values in: "auto" or None (the model's dtype),
                 "float32", "bfloat16", or "int8" (blocks of 32 along head_dim with a float32 scale each;
                 llama/kv_cache.py). The uncached pass rounds its keys and values alike (the same bits on the
-                integer kernels). Another dtype than the model's runs the decode step eagerly (compile=True is refused).
+                integer kernels). On the CPU the stored compiled step takes such a cache too (a package per cache
+                dtype); elsewhere another dtype than the model's runs the decode step eagerly (compile=True is refused).
 
         A checkpoint stored in bfloat16 whose float32 copy would not fit in memory runs in bfloat16 on the
         CPU when no dtype is given; `info.notes` then says so. It also says when quantized layers will run
@@ -218,8 +219,10 @@ class Llama:
         # Refuse before reading gigabytes that cannot fit.
         dtype, notes = choose_dtype(reader, args, plan, dtype, dtype_given, device, world_size, block_scales)
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
-        if kv_dtype != dtype and compiled:
-            notes.append(kv_cache_dtype_note(kv_dtype, explicit=(compile and not auto) or compile_layers is True))
+        kv_note = None if kv_dtype == dtype or not compiled else kv_cache_dtype_note(
+            kv_dtype, explicit=(compile and not auto) or compile_layers is True, device=device)
+        if kv_note is not None:  # only the stored step takes another cache dtype
+            notes.append(kv_note)
             compile = compiled = False
         integer = any(map(is_linear_weight, plan)) and device.type == "cpu" and quant_kernels == "integer"
         if integer and not kernels.load(progress):

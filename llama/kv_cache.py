@@ -125,9 +125,9 @@ class KVCache(nn.Module):
 
     @classmethod
     def wrap(cls, cache_k: torch.Tensor, cache_v: torch.Tensor) -> "KVCache":
-        """A cache over existing (batch, n_kv_heads, max_seq_len, head_dim) tensors, written in place: how an
-        exported step (llama/compile/aot.py) takes its caches as inputs."""
-        assert cache_k.dtype != torch.int8, "exported steps take float caches"
+        """A cache over existing (batch, n_kv_heads, max_seq_len, kv_row_width) tensors, written in place: how an
+        exported step (llama/compile/aot.py) takes its caches as inputs. An int8 cache's scales are read and written
+        through a bitcast of their bytes (`store_kv`), which exports and compiles as it runs eagerly."""
         cache = cls.__new__(cls)
         nn.Module.__init__(cache)
         cache.register_buffer("cache_k", cache_k, persistent=False)
@@ -244,9 +244,8 @@ class PagedKVCache:
 
     @classmethod
     def wrap(cls, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], block_size: int) -> "PagedKVCache":
-        """A pool over existing per-layer (n_kv_heads, positions, head_dim) tensors, written in place: how an
+        """A pool over existing per-layer (n_kv_heads, positions, kv_row_width) tensors, written in place: how an
         exported step (llama/compile/aot.py) takes the pool as inputs."""
-        assert keys[0].dtype != torch.int8, "exported steps take float caches"
         pool = cls.__new__(cls)
         pool.keys, pool.values = list(keys), list(values)
         pool.block_size, pool.num_blocks = block_size, keys[0].shape[1] // block_size

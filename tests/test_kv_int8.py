@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from helpers import build, write_tiny
+from llama.compile.aot import AheadOfTimeStep, PagedStep, _key, describe_key
+from llama.compile.step import kv_cache_dtype_note
 from llama.errors import LlamaError
 from llama.kernels.build import missing
 from llama.kv_cache import load_kv, resolve_kv_cache_dtype, round_kv, store_kv
@@ -163,19 +165,42 @@ def test_paged_int8_blocks_copy_and_file_with_their_scales(wide_ckpt):
         pool.load_block(0, torch.zeros(2, 2, 2, 4, 64))
 
 
-def test_a_bad_kv_cache_dtype_and_compile_true_are_refused_in_one_line(gqa_ckpt):
+def test_a_bad_kv_cache_dtype_and_compile_true_without_the_stored_step_are_refused_in_one_line(gqa_ckpt, monkeypatch):
+    """The stored compiled step takes an int8 cache (tests/compile/test_compile.py); torch.compile's step, which
+    LLAMA_COMPILE_AOT=0 (or a GPU) gives, is not tested with one, and compile=True refuses it there."""
     for bad in ("int4", "float16 ", 8, ["int8"]):
         with pytest.raises(LlamaError, match="kv_cache_dtype=.* is not one of auto, float32, bfloat16, int8"):
             resolve_kv_cache_dtype(bad, torch.float32)
     with pytest.raises(LlamaError, match="kv_cache_dtype="):
         build(gqa_ckpt, kv_cache_dtype="int4")
-    with pytest.raises(LlamaError, match=r"compile=True .* not kv_cache_dtype=int8; leave out one of them"):
+    cpu = torch.device("cpu")
+    assert kv_cache_dtype_note(torch.int8, explicit=True, device=cpu) is None
+    monkeypatch.setenv("LLAMA_COMPILE_AOT", "0")
+    with pytest.raises(LlamaError, match=r"compile=True .*\(kv_cache_dtype=int8\) only through the stored step"):
         build(gqa_ckpt, kv_cache_dtype="int8", compile=True)
 
 
-def test_the_default_runs_int8_kv_eagerly_with_one_note(gqa_ckpt):
+def test_without_the_stored_step_the_default_runs_int8_kv_eagerly_with_one_note(gqa_ckpt, monkeypatch):
+    monkeypatch.setenv("LLAMA_COMPILE_AOT", "0")
     llama = build(gqa_ckpt, kv_cache_dtype="int8", compile="auto")
     assert llama.compiled_step is None
     notes = [n for n in llama.info.notes if "kv_cache_dtype=int8" in n]
     assert len(notes) == 1 and "runs eagerly" in notes[0]
     assert not any("kv_cache_dtype" in n for n in build(gqa_ckpt, kv_cache_dtype="float32").info.notes)
+
+
+def test_a_stored_steps_key_names_the_cache_dtype(gqa_ckpt):
+    """An int8 cache's rows are bytes: a package built for a float cache runs on one unchecked and reads garbage (seen:
+    logits off by 10). So the cache dtype is part of every stored step's key, and the one-token step takes only
+    caches of the dtype its packages were built for."""
+    model = build(gqa_ckpt).model
+    dtypes = (torch.float32, torch.bfloat16, torch.int8)
+    keys = {kv: _key(describe_key(model, 1, kv_dtype=kv)) for kv in dtypes}
+    assert len(set(keys.values())) == 3 and keys[torch.float32] == _key(describe_key(model, 1))
+    assert len({PagedStep(model, model.new_paged_kv_cache(8, 4, kv))._place((2, 16))[1] for kv in dtypes}) == 3
+    model.kv_cache_dtype = torch.int8
+    step = AheadOfTimeStep(model)
+    assert step._place(1)[1].name == keys[torch.int8] and step._place((1, 4))[1] != step._place(1)[1]
+    tokens = torch.zeros((1, 1), dtype=torch.long)
+    assert step.accepts(tokens, model.new_kv_cache(1, 8), 1)
+    assert not step.accepts(tokens, model.new_kv_cache(1, 8, torch.float32), 1)

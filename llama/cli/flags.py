@@ -40,8 +40,9 @@ KV_CACHE_DTYPE_FLAG = {
                       "bfloat16, or int8 (blocks of 32 along each head with a float32 scale each: about 3.6 times "
                       "the positions of float32 in the same memory). The run without the cache rounds its keys and "
                       "values the same way: bit for bit the same on the integer kernels, within a rounding step "
-                      "elsewhere. Not with a dtype other "
-                      "than the model's and --compile: the decode step then runs eagerly.",
+                      "elsewhere. On the CPU the compiled decode step takes "
+                      "such a cache too; on a GPU a dtype other than the model's runs the decode step eagerly, and "
+                      "--compile refuses it.",
 }
 KV_CACHE_DTYPE_MARKER = "<kv cache dtype flag>"
 

@@ -8,7 +8,8 @@ symbolic size, then compiled by AOTInductor into a package of generated code wit
 it the model's own tensors, uncopied.
 
 The key covers everything the generated code depends on: the model's shape, the name, shape, dtype and
-module class of every tensor (so the layer classes and the quantization), the batch size, the threads, this
+module class of every tensor (so the layer classes and the quantization), what the KV cache holds (the model's
+dtype, another float dtype, or int8 rows of values and their scales' bytes), the batch size, the threads, this
 torch, the CPU's vector instructions and the sources of this package. The weights' values are not part of it,
 so one package serves every checkpoint of one shape. A package whose digest, metadata or load fails is built
 again, never run.
@@ -110,9 +111,11 @@ def _sources_digest() -> str:
 
 
 def describe_key(model: Transformer, batch_size: object, kind: str = "decode",
-                 extra: Optional[Dict[str, object]] = None) -> Dict[str, object]:
+                 extra: Optional[Dict[str, object]] = None, kv_dtype: Optional[torch.dtype] = None) -> Dict[str, object]:
     """What a package of `kind` for `model` at `batch_size` (a size, or a range of sizes) depends on, as the
-    fields its metadata records; `extra`: what else the step's code holds as a constant (a block size)."""
+    fields its metadata records; `extra`: what else the step's code holds as a constant (a block size); `kv_dtype`:
+    what the caches it takes hold (default: the model's `kv_cache_dtype`), since an int8 cache's rows are read and
+    written as bytes: a package built for another cache would read garbage from it, unchecked."""
     from llama.kernels.build import cpu_key
 
     params = {k: v for k, v in asdict(model.params).items() if k not in ("max_seq_len", "max_batch_size")}
@@ -128,6 +131,7 @@ def describe_key(model: Transformer, batch_size: object, kind: str = "decode",
         "cpu": cpu_key(),  # the vector instructions Inductor chooses from
         "threads": torch.get_num_threads(),
         "dtype": str(model.dtype).removeprefix("torch."),
+        "kv_dtype": str(kv_dtype or model.kv_cache_dtype).removeprefix("torch."),
         "kind": kind,
         **(extra or {}),
         "batch_size": batch_size,
@@ -215,8 +219,10 @@ class _StoredSteps:
     kind = ""  # of the step, in the key
     key_extra: Dict[str, object] = {}  # more of the key: what the exported code holds as constants
 
-    def __init__(self, model: Transformer, module: nn.Module, progress: Optional[Progress] = None):
+    def __init__(self, model: Transformer, module: nn.Module, kv_dtype: torch.dtype,
+                 progress: Optional[Progress] = None):
         self.model = model
+        self.kv_dtype = kv_dtype  # what the caches it takes hold: the model's dtype, another float dtype, or int8
         self.progress = or_silent(progress)
         self.notes: List[str] = []
         self.built: Dict[object, float] = {}  # seconds spent building each size's package in this process
@@ -301,7 +307,8 @@ class _StoredSteps:
         raise NotImplementedError
 
     def _place(self, size):
-        fields = describe_key(self.model, list(size) if isinstance(size, tuple) else size, self.kind, self.key_extra)
+        fields = describe_key(self.model, list(size) if isinstance(size, tuple) else size, self.kind, self.key_extra,
+                              self.kv_dtype)
         directory = self.directories[size] = compiled_dir() / _key(fields)
         return fields, directory
 
@@ -415,20 +422,20 @@ class AheadOfTimeStep(_StoredSteps):
     kind = "decode"
 
     def __init__(self, model: Transformer, progress: Optional[Progress] = None):
-        super().__init__(model, _DecodeStep(model), progress)
+        super().__init__(model, _DecodeStep(model), model.kv_cache_dtype, progress)
 
     @staticmethod
     def size_of(tokens: torch.Tensor):
         """The package a call with these tokens runs: its batch size for one token a row, (1, seqlen) for more."""
         return tokens.shape[0] if tokens.shape[1] == 1 else (1, tokens.shape[1])
 
-    @staticmethod
-    def accepts(tokens: torch.Tensor, cache, num_logits: Optional[int]) -> bool:
+    def accepts(self, tokens: torch.Tensor, cache, num_logits: Optional[int]) -> bool:
         bsz, seqlen = tokens.shape
         shape_fits = ((seqlen == 1 and num_logits in (None, 1))
                       or (bsz == 1 and 1 < seqlen <= MAX_VERIFY_TOKENS and num_logits in (None, seqlen)))
         return (cache is not None and shape_fits
-                and all(type(c) is KVCache and c.cache_k.is_contiguous() and c.cache_v.is_contiguous() for c in cache)
+                and all(type(c) is KVCache and c.dtype == self.kv_dtype and c.cache_k.is_contiguous()
+                        and c.cache_v.is_contiguous() for c in cache)
                 and cache[0].max_seq_len >= max(_MIN_CACHE, seqlen + 1))
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: List[KVCache], num_logits: Optional[int] = None,
@@ -444,13 +451,13 @@ class AheadOfTimeStep(_StoredSteps):
     def _place(self, size):
         if not isinstance(size, tuple):
             return super()._place(size)
-        fields = describe_key(self.model, 1, "verify", {"tokens": size[1]})
+        fields = describe_key(self.model, 1, "verify", {"tokens": size[1]}, self.kv_dtype)
         directory = self.directories[size] = compiled_dir() / _key(fields)
         return fields, directory
 
     def _example(self, size):
         batch_size, seqlen = (size, 1) if not isinstance(size, tuple) else size
-        cache = self.model.new_kv_cache(batch_size, 8 + seqlen)
+        cache = self.model.new_kv_cache(batch_size, 8 + seqlen, self.kv_dtype)  # int8: rows wider than head_dim
         kv = [t for c in cache for t in (c.cache_k, c.cache_v)]
         tokens = torch.zeros((batch_size, seqlen), dtype=torch.long, device=self.model.device)
         input_pos = torch.arange(3, 3 + seqlen, device=self.model.device).expand(batch_size, seqlen).contiguous()
@@ -474,7 +481,7 @@ class PagedStep(_StoredSteps):
     kind = "paged"
 
     def __init__(self, model: Transformer, pool: PagedKVCache, progress: Optional[Progress] = None):
-        super().__init__(model, _PagedDecodeStep(model, pool.block_size), progress)
+        super().__init__(model, _PagedDecodeStep(model, pool.block_size), pool.dtype, progress)
         self.key_extra = {"block_size": pool.block_size}  # a constant in the generated code's index arithmetic
         self.pool = pool
         self._tensors = [t for k, v in zip(pool.keys, pool.values) for t in (k, v)]

@@ -73,16 +73,21 @@ def eager_note(reason: str) -> str:
             "(compile=False hides this note)")
 
 
-def kv_cache_dtype_note(kv_dtype: torch.dtype, explicit: bool) -> str:
+def kv_cache_dtype_note(kv_dtype: torch.dtype, explicit: bool, device: Optional[torch.device] = None) -> Optional[str]:
     """Where the KV cache holds keys and values in another dtype than the model computes in (int8, or bf16 for a
-    float32 model), the decode step runs eagerly: the stored steps take caches in the model's dtype. Returns the
-    note that says so; `explicit` (compile=True) raises instead."""
+    float32 model): None where the decode step on `device` still compiles, which the stored steps do (on the CPU,
+    llama/compile/aot.py, a package per cache dtype), or where `device` is not known yet (a command before it loads
+    the model: asked again once it has). Elsewhere (torch.compile: a GPU, LLAMA_COMPILE_AOT=0) the decode step runs
+    eagerly: the note that says so, or with `explicit` (compile=True) a LlamaError."""
+    if device is None or aot.used(device):
+        return None
     name = str(kv_dtype).removeprefix("torch.")
     if explicit:
-        raise LlamaError(f"compile=True compiles the decode step over a KV cache in the model's dtype, not "
-                         f"kv_cache_dtype={name}; leave out one of them")
-    return (f"with kv_cache_dtype={name} the decode step runs eagerly, about 3 times slower (the stored compiled "
-            "steps take keys and values in the model's dtype; compile=False hides this note)")
+        raise LlamaError(f"compile=True compiles the decode step over a KV cache in another dtype than the model's "
+                         f"(kv_cache_dtype={name}) only through the stored step on the CPU; leave out one of them")
+    return (f"with kv_cache_dtype={name} the decode step runs eagerly here, about 3 times slower (only the stored "
+            "compiled step on the CPU takes keys and values in another dtype than the model's; compile=False hides "
+            "this note)")
 
 
 def _no_compiler() -> Optional[str]:

@@ -57,9 +57,9 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
     if world_size > 1:
         compile = False  # the default's stored step runs in one process, as the commands
     model = llama.model
-    if model.kv_cache_dtype != model.dtype and compile:  # Llama.build gave the note of the default
-        kv_cache_dtype_note(model.kv_cache_dtype, explicit=compile is True)
-        compile = False
+    if model.kv_cache_dtype != model.dtype and compile and kv_cache_dtype_note(
+            model.kv_cache_dtype, explicit=compile is True, device=model.device) is not None:
+        compile = False  # Llama.build gave the note of the default
     per_position = model.kv_cache_nbytes(1, 1)  # this rank's share of the heads
     if kv_cache_size is None:
         positions = parallel * model.params.max_seq_len

@@ -370,3 +370,58 @@ def test_speculation_checks_drafts_with_a_stored_step_and_gives_the_compiled_dec
     else:
         for a, b in zip(spec_lp, plain_lp):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def wide_ckpt(tmp_path_factory):
+    """A tiny grouped-query model with heads of 64: two int8 blocks of 32 a head, as real models have."""
+    path, _ = write_tiny(tmp_path_factory.mktemp("wide"), "gqa", dim=256, n_heads=4, n_kv_heads=2)
+    return path
+
+
+# Float32 weights with int8 keys and values: the compiled and the eager step compute the new keys apart by float32
+# rounding (1e-5 with a float cache), and now and then that puts one on the other side of an int8 rounding boundary,
+# which moves it by a whole step; the same bound as cached against uncached (tests/test_kv_int8.py). Seen here:
+# logits apart by 8e-5. On the integer kernels every op between the roundings is row-exact: the same bits.
+INT8_KV_FLOAT_BOUND = 1e-2
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"], ids=["float32", "integer-kernels"])
+def test_an_int8_kv_cache_runs_the_stored_steps_with_the_eager_answer(wide_ckpt, tmp_path, monkeypatch, quantize):
+    """With kv_cache_dtype="int8" the one-token step and the step that checks a speculative draft come from stored
+    packages built for an int8 cache (rows of values and their scales' bytes), and answer as the eager step does:
+    the same bits on the integer kernels, the same tokens on float32 weights."""
+    if quantize and missing() is not None:
+        pytest.skip(f"the integer kernels cannot be built here: {missing()}")
+    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    monkeypatch.setattr(Speculation, "CHECK_COST", 0.0)  # every draft checked
+    compiled = build(wide_ckpt, max_seq_len=96, kv_cache_dtype="int8", quantize=quantize, compile=True)
+    eager = build(wide_ckpt, max_seq_len=96, kv_cache_dtype="int8", quantize=quantize)
+    assert not [n for n in compiled.info.notes if "kv_cache_dtype" in n]
+    prompt = [[1, 5, 6, 7, 8, 5, 6, 7, 9, 5, 6]]
+    want, want_lp = eager.generate(prompt, 40, temperature=0, logprobs=True, ignore_stop=True)
+    runs = [compiled.generate(prompt, 40, temperature=0, logprobs=True, ignore_stop=True, **kwargs)
+            for kwargs in ({}, {"speculate": Always(), "draft_tokens": 3})]
+    ahead = compiled.compiled_step.ahead_of_time
+    assert set(ahead.built) == {1, (1, 4)} and compiled.last_speculation.checks > 5
+    metas = [json.loads((d / "meta.json").read_text()) for d in tmp_path.iterdir()]
+    assert len(metas) == 2 and all(m["key"]["kv_dtype"] == "int8" for m in metas)
+    for got, got_lp in runs:
+        assert got == want
+        if quantize:
+            assert got_lp == want_lp
+        else:
+            torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), rtol=0, atol=INT8_KV_FLOAT_BOUND)
+
+
+def test_a_bfloat16_kv_cache_on_float32_weights_runs_the_stored_step(wide_ckpt, tmp_path, monkeypatch):
+    """bf16 keys and values beside float32 weights: a rounding on write, which the stored step takes as well."""
+    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    compiled = build(wide_ckpt, max_seq_len=96, kv_cache_dtype="bfloat16", compile=True)
+    eager = build(wide_ckpt, max_seq_len=96, kv_cache_dtype="bfloat16")
+    prompt = _tokens(eager, PROMPTS[:1])
+    want, want_lp = eager.generate(prompt, 30, temperature=0, logprobs=True, ignore_stop=True)
+    got, got_lp = compiled.generate(prompt, 30, temperature=0, logprobs=True, ignore_stop=True)
+    assert compiled.compiled_step.ahead_of_time.built.keys() == {1}
+    assert got == want
+    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), rtol=0, atol=2e-2)

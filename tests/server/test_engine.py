@@ -219,6 +219,33 @@ def test_an_int8_paged_cache_serves_what_generate_gives_with_int8_kv(gqa_ckpt, q
         engine.drain(5)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs a C++ compiler")
+@pytest.mark.parametrize("quantize", [None, "int8"], ids=["float32", "integer-kernels"])
+def test_the_stored_step_serves_an_int8_cache_as_the_eager_step_does(gqa_ckpt, quantize):
+    """The server's stored step (PagedStep: one row, and 2-16 rows) built for an int8 pool serves each greedy
+    completion as `Llama.generate`'s eager step gives it alone: its logprobs the same bits on the integer kernels; on
+    float32 weights the same tokens, logprobs within the bound of tests/compile/test_compile.py's INT8_KV_FLOAT_BOUND
+    (float32 rounding of a new key may cross an int8 rounding boundary)."""
+    llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="int8", quantize=quantize, compile_layers=True)
+    runner = Runner(llama.model, 64, 4, compile=True, max_rows=8)
+    assert isinstance(runner.compiled, PagedStep) and runner.cache.dtype == runner.compiled.kv_dtype == torch.int8
+    engine = Engine(llama.tokenizer, Scheduler(64, 4, 8, 16), runner)
+    engine.start()
+    ps = prompts(llama)
+    collectors = run_jobs(engine, [Job(p, 16, None, temperature=0, logprobs=0) for p in ps])
+    for p, c in zip(ps, collectors):
+        tokens, logprobs = solo(llama, p, 16, logprobs=True)  # Llama.build compiled nothing: the eager step
+        assert c.texts() == [llama.tokenizer.decode(tokens)]
+        got = [lp for e in c.events if isinstance(e, Delta) for lp in e.logprobs][: len(tokens)]
+        assert [lp.token for lp in got] == tokens
+        if quantize is None:
+            assert [lp.logprob for lp in got] == pytest.approx(logprobs, abs=1e-2)
+        else:
+            assert [lp.logprob for lp in got] == logprobs
+    engine.drain(5)
+
+
 def test_int8_kv_holds_about_3_5_times_the_positions_in_a_budget_of_bytes(tmp_path):
     """--kv-cache-size in bytes holds about 3.56 times the positions with int8 keys and values as with float32 (heads
     of 64: 64 bytes and two 4-byte scales against 256 bytes), and the start line says "int8, N bytes a token"."""
