@@ -14,13 +14,11 @@ import sys
 from pathlib import Path
 from typing import Tuple, Union
 
-import torch
 
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, check_kv_cache_dtype, compile_flag, model_flag
 from llama.cli.printer import ProgressPrinter
-from llama.compile.step import kv_cache_dtype_note
 from llama.convert.fetch import DEFAULT_MODEL
 from llama.errors import LlamaError
 
@@ -156,8 +154,6 @@ def main(
             check_server_speculation(speculate, draft_tokens, not no_kv_cache)
         except LlamaError as e:
             fail(as_flags(str(e)))
-    if compile and not no_compile and kv_cache_dtype == "int8":  # never the model's dtype
-        kv_cache_dtype_note(torch.int8, explicit=True)
     if kv_cache_dir is not None:  # refused before the model loads, not after
         from llama.server.disk_cache import check_disk_cache, prepare_directory
 
