@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Tuple, Union
 
-
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, check_kv_cache_dtype, compile_flag, model_flag
