@@ -14,12 +14,16 @@ import sys
 from pathlib import Path
 from typing import Tuple, Union
 
+import torch
+
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags, check_kv_cache_dtype, compile_flag, model_flag
 from llama.cli.printer import ProgressPrinter
+from llama.compile.step import kv_cache_dtype_note
 from llama.convert.fetch import DEFAULT_MODEL
 from llama.errors import LlamaError
+from llama.runtime.devices import local_device, resolve_device
 
 API_KEY_ENV = "LLAMA_API_KEY"
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
@@ -146,6 +150,11 @@ def main(
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     dir_size = byte_count(kv_cache_dir_size, "--kv-cache-dir-size")
     check_kv_cache_dtype(kv_cache_dtype)  # the model loads after the server listens: refused before that
+    if compile and not no_compile and kv_cache_dtype == "int8":  # never the model's dtype
+        try:
+            kv_cache_dtype_note(torch.int8, explicit=True, device=local_device(resolve_device(device)))
+        except LlamaError as e:
+            fail(as_flags(str(e)))
     if speculate is not None:
         from llama.server.app import check_server_speculation
 
