@@ -28,10 +28,11 @@ from llama.server.scheduler import WAITING, Scheduler, Sequence
 from llama.speculative import DEFAULT_DRAFT_TOKENS, Drafter, Speculation, new_drafter
 
 
-# The most rows a step feeds with speculation's drafts among them: the top of the compiled step's middle range
-# (llama/compile/aot.py). Each row beyond the batch's own costs compute: at 8 clients, drafts of 4 for every
-# sequence (40 rows) made open-ended chat 0.64 times as fast (scripts/bench_server_speculative.py).
-MAX_STEP_ROWS = 16
+# The most rows a step feeds with speculation's drafts among them. A step of 5 rows costs little more than one of
+# 1 (one client: 1.67x on input-grounded prompts), but at 8 clients drafts made the step slower than they paid:
+# 0.64x on open-ended chat with 40 rows a step, 0.48x on input-grounded prompts with 16
+# (scripts/bench_server_speculative.py). So a full batch of 8 takes plain steps.
+MAX_STEP_ROWS = 8
 
 
 class Unavailable(Exception):

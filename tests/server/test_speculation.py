@@ -53,7 +53,7 @@ def test_greedy_completions_with_drafts_equal_generate_alone(llama, config, draf
 def test_on_the_integer_kernels_the_logprobs_are_the_same_bits(gqa_ckpt, quantize):
     llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, quantize=quantize)
     assert llama.info.quant_kernels == "integer"
-    engine = make_engine(llama, speculate=Always(), draft_tokens=3, parallel=4)  # 4 x 4 rows: every draft made
+    engine = make_engine(llama, speculate=Always(), draft_tokens=3, parallel=2)  # 2 x 4 rows: every draft made
     ps = prompts(llama)
     collectors = run_jobs(engine, [Job(p, m, None, temperature=0, logprobs=2) for p, m in zip(ps, MAX_TOKENS)])
     for p, m, c in zip(ps, MAX_TOKENS, collectors):
@@ -103,9 +103,9 @@ def test_seeded_sampling_with_drafts_does_not_depend_on_what_else_runs(llama):
     ps = prompts(llama)
     job = lambda p, seed: Job(p, 20, None, temperature=1.5, top_p=0.95, seed=seed)  # noqa: E731
     (alone,) = run_jobs(engine, [job(ps[0], 123)])
-    # Three beside it, drafts of 3: 16 rows, within MAX_STEP_ROWS, so every draft it would make alone is made.
-    crowd = run_jobs(engine, [job(p, 7) for p in ps[1:3]] + [job(ps[0], 123)] + [job(ps[5], 9)])
-    assert crowd[2].texts() == alone.texts()
+    # One beside it, drafts of 3: 8 rows, within MAX_STEP_ROWS, so every draft it would make alone is made.
+    crowd = run_jobs(engine, [job(ps[1], 7), job(ps[0], 123)])
+    assert crowd[1].texts() == alone.texts()
     assert engine.drafted_tokens_total > 0
     engine.drain(5)
 
@@ -124,6 +124,7 @@ def test_a_step_feeds_at_most_max_step_rows_with_drafts_among_them(llama, monkey
     for p, c in zip(ps, collectors):
         assert c.texts() == [llama.tokenizer.decode(solo(llama, p, 20)[0])]
     assert max(widths) == MAX_STEP_ROWS  # 8 sequences and drafts of 4 would make 40
+    assert engine.drafted_tokens_total > 0  # while fewer decoded, some drafted
     engine.drain(5)
 
 
