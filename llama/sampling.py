@@ -7,7 +7,7 @@ replaced by a draw from the normalised residual max(p - q, 0), so that what come
 `sample`'s draws are. At temperature 0 a drafted token is kept where it is the argmax, as `sample` would pick it.
 """
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -106,6 +106,21 @@ def accept_draft(logits: torch.Tensor, drafted: int, temperature: float, top_p: 
     if total <= 0:  # p equals q: rejection has probability 0, and rounding made it happen
         return drafted
     return int(torch.multinomial(residual / total, 1, generator=generator))
+
+
+def check_draft(logits: torch.Tensor, draft: List[int], temperature: float, top_p: float,
+                generator: Optional[torch.Generator], draft_probs: Optional[List[torch.Tensor]] = None) -> List[int]:
+    """The tokens a draft yields, from (1 + len(draft), vocab) logits of the newest token and of each drafted one:
+    the drafted tokens up to the first the plain decode would not have chosen (`accept_draft`; `draft_probs`, where
+    the drafts were sampled, the distribution of each), then the model's own token: the replacement, or one more."""
+    kept: List[int] = []
+    for i, drafted in enumerate(draft):
+        replacement = accept_draft(logits[i], drafted, temperature, top_p, generator,
+                                   draft_probs=draft_probs[i] if draft_probs else None)
+        if replacement is not None:
+            return kept + [replacement]
+        kept.append(drafted)
+    return kept + [sample_one(logits[len(draft)], temperature, top_p, generator)]
 
 
 def sample_one(logits: torch.Tensor, temperature: float, top_p: float, generator: Optional[torch.Generator]) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from llama.errors import LlamaError
 from llama.nn.session import common_prefix_len
-from llama.sampling import accept_draft, logprobs_of, sample_one, sampling_probs
+from llama.sampling import check_draft, logprobs_of, sample_one, sampling_probs
 
 METHODS = ("ngram",)
 # Tokens a draft holds at most, by default: the step that checks them feeds one more (scripts/bench_speculative.py).
@@ -277,17 +277,8 @@ class Speculation:
             # Padded to one size of step (the compiled one); the padding's rows are never read.
             tokens[0, fed + 1 : fed + n] = torch.tensor(draft + draft[-1:] * (self.k - len(draft)), device=tokens.device)
             last_logits = forward(fed, fed + n, n, False)[0]
-            q = getattr(self.drafter, "last_probs", None)
-            new = []
-            for i, drafted in enumerate(draft):
-                replacement = accept_draft(last_logits[i], drafted, temperature, top_p, generator,
-                                           draft_probs=q[i] if q else None)
-                if replacement is not None:
-                    new.append(replacement)
-                    break
-                new.append(drafted)
-            else:
-                new.append(sample_one(last_logits[len(draft)], temperature, top_p, generator))
+            new = check_draft(last_logits, draft, temperature, top_p, generator,
+                              getattr(self.drafter, "last_probs", None))
             accepted = len(new) - 1
             fed += len(new)  # the last token kept, and the ones before it, are fed; its successor is not
             self.record(len(draft), accepted)

@@ -20,7 +20,7 @@ from torch import nn
 from llama.compile.aot import PagedStep
 from llama.compile.step import compile_paged_step
 from llama.errors import LlamaError
-from llama.sampling import accept_draft, sample, sample_one
+from llama.sampling import check_draft, sample
 from llama.model import Transformer
 from llama.runtime.progress import Progress
 
@@ -183,7 +183,7 @@ class Runner:
             raise LlamaError(f"the model produced NaN or infinite logits at position {row.start + len(row.tokens) - 1}; "
                              "the weights may be corrupt, or the dtype may overflow (try --dtype float32)")
         if row.draft:
-            result.tokens = _check(last, row.draft, sampler)
+            result.tokens = check_draft(last, row.draft, sampler.temperature, sampler.top_p, sampler.generator)
         else:
             result.tokens = [int(sample(last, sampler.temperature, sampler.top_p, sampler.generator)[0])]
         if sampler.top_logprobs is not None:
@@ -191,19 +191,6 @@ class Runner:
             result.logprobs = logprobs.gather(1, torch.tensor(result.tokens, device=logprobs.device)[:, None])[:, 0].tolist()
             result.tops = _top(logprobs, sampler.top_logprobs) if sampler.top_logprobs else [[] for _ in result.tokens]
         return result
-
-
-def _check(logits: torch.Tensor, draft: List[int], sampler: Sampler) -> List[int]:
-    """The tokens a draft yields, from the logits of the newest token and of each drafted one (1 + len(draft), vocab):
-    the drafted tokens up to the first the plain decode would not have chosen, and then the model's own token
-    (`llama.sampling.accept_draft`), as `llama.speculative.Speculation` keeps them."""
-    kept: List[int] = []
-    for i, drafted in enumerate(draft):
-        replacement = accept_draft(logits[i], drafted, sampler.temperature, sampler.top_p, sampler.generator)
-        if replacement is not None:
-            return kept + [replacement]
-        kept.append(drafted)
-    return kept + [sample_one(logits[len(draft)], sampler.temperature, sampler.top_p, sampler.generator)]
 
 
 class _ManyRowsOutput(nn.Module):
