@@ -87,8 +87,8 @@ class KVRounding:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
-    def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor,
-                  xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
+                  kv_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         return round_kv(xk, self.dtype), round_kv(xv, self.dtype)
 
 
@@ -160,16 +160,18 @@ class KVCache(nn.Module):
         self.cache_k.zero_()
         self.cache_v.zero_()
 
-    def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
+                  kv_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write each row's keys and values at its positions (gpt-fast's `input_pos`).
 
         Args:
             input_pos: (bsz, seqlen) positions of the new tokens, row by row, or (1, seqlen) shared by every row.
             xk, xv: (bsz, n_kv_heads, seqlen, head_dim) keys and values of the new tokens.
+            kv_len: key columns to return (all max_seq_len when None): an int8 cache dequantizes only those.
 
         Returns:
-            The rows' whole caches, each (bsz, n_kv_heads, max_seq_len, head_dim) in xk's dtype (dequantized from
-            int8): column j holds position j. What lies past a row's positions is stale and must be masked
+            The rows' caches, each (bsz, n_kv_heads, kv_len, head_dim) in xk's dtype (dequantized from int8):
+            column j holds position j. What lies past a row's positions is stale and must be masked
             (`model.positions_mask`).
 
         Raises:
@@ -188,7 +190,9 @@ class KVCache(nn.Module):
             rows = torch.arange(bsz, device=input_pos.device)[:, None]  # (bsz, 1)
             self.cache_k[rows, :, input_pos] = xk.transpose(1, 2)  # indexed as (bsz, seqlen, n_kv_heads, width)
             self.cache_v[rows, :, input_pos] = xv.transpose(1, 2)
-        return load_kv(self.cache_k[:bsz], head_dim, dtype), load_kv(self.cache_v[:bsz], head_dim, dtype)
+        kv_len = self.max_seq_len if kv_len is None else kv_len
+        return (load_kv(self.cache_k[:bsz, :, :kv_len], head_dim, dtype),
+                load_kv(self.cache_v[:bsz, :, :kv_len], head_dim, dtype))
 
 
 def describe_kv_cache(dtype: torch.dtype, bytes_per_token: int) -> str:
@@ -318,12 +322,14 @@ class PagedLayerCache:
     def kv_len(self) -> int:
         return self.read.shape[1]
 
-    def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
+                  kv_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys and values into their rows' blocks; return each row's positions gathered in order.
 
         Args:
             input_pos: (bsz, seqlen) positions of the new tokens (already folded into this step's indices).
             xk, xv: (bsz, n_kv_heads, seqlen, head_dim) keys and values of the new tokens.
+            kv_len: unused: the step's block tables already say how many columns are read.
 
         Returns:
             (bsz, n_kv_heads, kv_len, head_dim) keys and values in xk's dtype (dequantized from int8): column j

@@ -180,9 +180,9 @@ class Attention(nn.Module):
 
         keys = xk.transpose(1, 2)  # (bsz, n_kv_heads, seqlen, head_dim)
         values = xv.transpose(1, 2)
-        if cache is not None:
-            keys, values = cache.update_at(input_pos, keys, values)  # (bsz, n_kv_heads, cache's kv_len, head_dim)
         kv_len = mask.shape[-1]
+        if cache is not None:
+            keys, values = cache.update_at(input_pos, keys, values, kv_len)  # (bsz, n_kv_heads, >= kv_len, head_dim)
         keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
 
         # Grouped-query attention without repeating keys and values: query head h reads KV head

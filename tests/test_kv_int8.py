@@ -16,7 +16,7 @@ from llama.compile.aot import AheadOfTimeStep, PagedStep, _key, describe_key
 from llama.compile.step import kv_cache_dtype_note
 from llama.errors import LlamaError
 from llama.kernels.build import missing
-from llama.kv_cache import load_kv, resolve_kv_cache_dtype, round_kv, store_kv
+from llama.kv_cache import KVCache, load_kv, resolve_kv_cache_dtype, round_kv, store_kv
 
 PROMPTS = ["I believe the meaning of life is", "def fibonacci(n):", "A"]
 
@@ -66,6 +66,20 @@ def test_store_kv_is_q8_0s_rule_and_loads_back_to_half_a_step():
     # A head that is not a multiple of 32 wide is one block; bf16 is a rounding on write.
     assert store_kv(x[..., :16], torch.int8).shape[-1] == 16 + 4
     assert torch.equal(round_kv(x, torch.bfloat16), x.to(torch.bfloat16).float())
+
+
+def test_an_int8_cache_dequantizes_only_the_columns_a_step_reads():
+    """`update_at(..., kv_len)` returns the first kv_len positions, the same values the whole cache's first kv_len
+    columns hold: a step early in a long cache does not dequantize the positions past it."""
+    cache = KVCache(1, 64, 2, 32, torch.int8, torch.device("cpu"))
+    random = torch.Generator().manual_seed(5)
+    new = [torch.randn(1, 2, 3, 32, generator=random) for _ in range(2)]
+    pos = torch.arange(4, 7)[None]
+    whole = cache.update_at(pos, *new)
+    part = cache.update_at(pos, *new, kv_len=7)
+    for w, p, x in zip(whole, part, new):  # keys, then values
+        assert w.shape == (1, 2, 64, 32) and p.shape == (1, 2, 7, 32)
+        assert torch.equal(p, w[:, :, :7]) and torch.equal(p[:, :, 4:], round_kv(x, torch.int8))
 
 
 def test_the_int8_cache_holds_int8_in_about_a_quarter_of_the_bytes(wide_ckpt, gqa_ckpt):
