@@ -228,8 +228,8 @@ class Llama:
         if integer and not kernels.load(progress):
             notes.append(f"the int8/int4 integer kernels cannot run here: {kernels.unavailable_reason()}; quantized "
                          "layers run on the exact weight-only paths")
-        if compiled and device.type == "cpu" and dtype == torch.float32:
-            kernels.load(progress)  # float32 products of a few rows on llama_kv.f32_linear (RowsLinear)
+        if (compiled or kv_dtype == torch.int8) and device.type == "cpu" and dtype == torch.float32:
+            kernels.load(progress)  # float32 products of a few rows (RowsLinear); attention over int8 keys and values
         model, layer_plan = load_weights(model, reader, args, plan, rank, world_size, device, dtype, compiled=compiled,
                                          integer=integer, have=Kernels.here(), progress=progress)
         model.kv_cache_dtype = kv_dtype if kv_dtype != dtype else None  # None: the model's, whatever it becomes

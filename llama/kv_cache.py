@@ -9,9 +9,10 @@ positions and no Python number decides where a write goes.
 Either may hold keys and values in a dtype other than the model's (`--kv-cache-dtype`): another float dtype,
 rounded on write, or int8 in blocks of 32 along head_dim with one float32 scale each (llama.cpp's Q8_0 rule:
 scale = max|x| / 127, q = round(x / scale)). An int8 row holds its head_dim values and then its scales' bytes,
-so every tensor of the cache stays one int8 tensor that copies, gathers and files take as they are. Attention
-reads the rows dequantized; the uncached pass rounds its keys and values the same way (`round_kv`): the same bits
-on the integer kernels, where every op is row-exact.
+so every tensor of the cache stays one int8 tensor that copies, gathers and files take as they are. The caches
+give attention these rows as they are (`torch.ops.llama_kv.attention` dequantizes a block of keys at a time as it
+reads them; elsewhere the model dequantizes them first, `load_kv`), and the uncached pass stores its keys and values
+the same way before attention (`KVRounding`): the same bits on the integer kernels, where every op is row-exact.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -82,13 +83,16 @@ def round_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class KVRounding:
     """The uncached pass's stand-in for a layer's cache when the cache would hold another dtype: it keeps nothing
-    and gives the new keys and values back rounded as a cache of `dtype` would (`round_kv`)."""
+    and gives the new keys and values back as a cache of `dtype` would: int8 rows (`store_kv`), or rounded to
+    another float dtype (`round_kv`)."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
     def update_at(self, input_pos: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor,
                   kv_len: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.dtype == torch.int8:
+            return store_kv(xk, self.dtype), store_kv(xv, self.dtype)
         return round_kv(xk, self.dtype), round_kv(xv, self.dtype)
 
 
@@ -105,7 +109,8 @@ class KVCache(nn.Module):
         n_kv_heads: key/value heads of the layer (after any model-parallel split).
         head_dim: width of each head.
         dtype: what it holds keys and values in: the model's dtype, another float dtype, or int8 (blocks with
-            their scales, `store_kv`); `update_at` returns them in the dtype they were given in.
+            their scales, `store_kv`); `update_at` returns float ones in the dtype they were given in, int8 rows
+            as they are.
         device: that of the model's activations.
     """
 
@@ -167,12 +172,12 @@ class KVCache(nn.Module):
         Args:
             input_pos: (bsz, seqlen) positions of the new tokens, row by row, or (1, seqlen) shared by every row.
             xk, xv: (bsz, n_kv_heads, seqlen, head_dim) keys and values of the new tokens.
-            kv_len: key columns to return (all max_seq_len when None): an int8 cache dequantizes only those.
+            kv_len: key columns to return (all max_seq_len when None).
 
         Returns:
-            The rows' caches, each (bsz, n_kv_heads, kv_len, head_dim) in xk's dtype (dequantized from int8):
-            column j holds position j. What lies past a row's positions is stale and must be masked
-            (`model.positions_mask`).
+            The rows' caches, each (bsz, n_kv_heads, kv_len, head_dim) in xk's dtype, or for int8 the stored rows
+            (bsz, n_kv_heads, kv_len, kv_row_width): column j holds position j. What lies past a row's positions is
+            stale and must be masked (`model.positions_mask`).
 
         Raises:
             ValueError: a position is outside the cache, or the batch does not fit it.
@@ -191,8 +196,10 @@ class KVCache(nn.Module):
             self.cache_k[rows, :, input_pos] = xk.transpose(1, 2)  # indexed as (bsz, seqlen, n_kv_heads, width)
             self.cache_v[rows, :, input_pos] = xv.transpose(1, 2)
         kv_len = self.max_seq_len if kv_len is None else kv_len
-        return (load_kv(self.cache_k[:bsz, :, :kv_len], head_dim, dtype),
-                load_kv(self.cache_v[:bsz, :, :kv_len], head_dim, dtype))
+        keys, values = self.cache_k[:bsz, :, :kv_len], self.cache_v[:bsz, :, :kv_len]
+        if self.dtype == torch.int8:
+            return keys, values
+        return load_kv(keys, head_dim, dtype), load_kv(values, head_dim, dtype)
 
 
 def describe_kv_cache(dtype: torch.dtype, bytes_per_token: int) -> str:
@@ -332,8 +339,8 @@ class PagedLayerCache:
             kv_len: unused: the step's block tables already say how many columns are read.
 
         Returns:
-            (bsz, n_kv_heads, kv_len, head_dim) keys and values in xk's dtype (dequantized from int8): column j
-            holds position j of the row.
+            (bsz, n_kv_heads, kv_len, head_dim) keys and values in xk's dtype, or for int8 the stored rows
+            (bsz, n_kv_heads, kv_len, kv_row_width): column j holds position j of the row.
         """
         bsz, n_kv_heads, _, head_dim = xk.shape
         dtype, width = xk.dtype, self.keys.shape[2]
@@ -347,5 +354,8 @@ class PagedLayerCache:
         read = self.read.flatten()
         shape = (n_kv_heads, bsz, self.kv_len, width)
         # (n_kv_heads, bsz, kv_len, width) -> (bsz, n_kv_heads, kv_len, head_dim)
-        keys = load_kv(self.keys.index_select(1, read).view(shape), head_dim, dtype).transpose(0, 1)
-        return keys, load_kv(self.values.index_select(1, read).view(shape), head_dim, dtype).transpose(0, 1)
+        keys = self.keys.index_select(1, read).view(shape).transpose(0, 1)
+        values = self.values.index_select(1, read).view(shape).transpose(0, 1)
+        if self.keys.dtype == torch.int8:
+            return keys, values
+        return load_kv(keys, head_dim, dtype), load_kv(values, head_dim, dtype)

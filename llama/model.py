@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.kv_cache import KVCache, KVRounding, PagedKVCache, being_traced, kv_row_width
+from llama import kernels
+from llama.kv_cache import KVCache, KVRounding, PagedKVCache, being_traced, kv_row_width, load_kv
 
 
 @dataclass
@@ -134,11 +135,21 @@ class Rotary(nn.Module):
         return apply_rotary_emb(x, freqs_cis)
 
 
+def reads_int8_rows(q: torch.Tensor) -> bool:
+    """Whether attention for these queries reads an int8 cache's rows as they are (`llama_kv.attention` dequantizes a
+    block of keys at a time as it goes: float32 queries on the CPU, the kernels loaded) rather than dequantized
+    first (`load_kv`). The same bits either way."""
+    return q.device.type == "cpu" and q.dtype == torch.float32 and kernels.loaded()
+
+
 class ScaledDotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + mask) v, by torch's fused kernel. A module of its own, holding nothing, so that a
-    model on the integer kernels can swap it for a row-exact one (llama/nn/row_attention.py)."""
+    """softmax(q k^T / sqrt(d) + mask) v, by torch's fused kernel; over an int8 cache's rows (`reads_int8_rows`), by
+    `llama_kv.attention`. A module of its own, holding nothing, so that a model on the integer kernels can swap it
+    for a row-exact one (llama/nn/row_attention.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if k.dtype == torch.int8:
+            return torch.ops.llama_kv.attention(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -184,6 +195,8 @@ class Attention(nn.Module):
         if cache is not None:
             keys, values = cache.update_at(input_pos, keys, values, kv_len)  # (bsz, n_kv_heads, >= kv_len, head_dim)
         keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
+        if keys.dtype == torch.int8 and not reads_int8_rows(xq):  # an int8 cache's rows (llama/kv_cache.py)
+            keys, values = load_kv(keys, self.head_dim, xq.dtype), load_kv(values, self.head_dim, xq.dtype)
 
         # Grouped-query attention without repeating keys and values: query head h reads KV head
         # h // n_rep, so the n_rep query heads of a group are folded into the sequence axis of one

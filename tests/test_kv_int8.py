@@ -68,9 +68,9 @@ def test_store_kv_is_q8_0s_rule_and_loads_back_to_half_a_step():
     assert torch.equal(round_kv(x, torch.bfloat16), x.to(torch.bfloat16).float())
 
 
-def test_an_int8_cache_dequantizes_only_the_columns_a_step_reads():
-    """`update_at(..., kv_len)` returns the first kv_len positions, the same values the whole cache's first kv_len
-    columns hold: a step early in a long cache does not dequantize the positions past it."""
+def test_an_int8_cache_gives_attention_its_stored_rows_only_up_to_the_columns_a_step_reads():
+    """`update_at(..., kv_len)` returns the first kv_len positions as the cache stores them (int8 values, then their
+    scales' bytes): attention reads them there (`llama_kv.attention`), and nothing past kv_len is touched."""
     cache = KVCache(1, 64, 2, 32, torch.int8, torch.device("cpu"))
     random = torch.Generator().manual_seed(5)
     new = [torch.randn(1, 2, 3, 32, generator=random) for _ in range(2)]
@@ -78,8 +78,9 @@ def test_an_int8_cache_dequantizes_only_the_columns_a_step_reads():
     whole = cache.update_at(pos, *new)
     part = cache.update_at(pos, *new, kv_len=7)
     for w, p, x in zip(whole, part, new):  # keys, then values
-        assert w.shape == (1, 2, 64, 32) and p.shape == (1, 2, 7, 32)
-        assert torch.equal(p, w[:, :, :7]) and torch.equal(p[:, :, 4:], round_kv(x, torch.int8))
+        assert w.shape == (1, 2, 64, 32 + 4) and p.shape == (1, 2, 7, 32 + 4) and p.dtype == torch.int8
+        assert torch.equal(p, w[:, :, :7]) and torch.equal(p[:, :, 4:], store_kv(x, torch.int8))
+        assert p.data_ptr() == w.data_ptr()  # a view of the cache, not a copy
 
 
 def test_the_int8_cache_holds_int8_in_about_a_quarter_of_the_bytes(wide_ckpt, gqa_ckpt):
@@ -169,8 +170,8 @@ def test_paged_int8_blocks_copy_and_file_with_their_scales(wide_ckpt):
     xk, xv = (torch.randn(1, 2, 4, 64, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
     layer = pool.for_step(torch.tensor([[1, 0]]), torch.arange(4)[None])[0]
     keys, values = layer.update_at(torch.arange(4)[None], xk, xv)
-    assert torch.equal(keys[:, :, :4], round_kv(xk, torch.int8))
-    assert torch.equal(values[:, :, :4], round_kv(xv, torch.int8))
+    assert torch.equal(keys[:, :, :4], store_kv(xk, torch.int8))  # the stored rows, scales after the values
+    assert torch.equal(values[:, :, :4], store_kv(xv, torch.int8))
     pool.load_block(3, pool.block_tensor(1))
     pool.copy_prefix(1, 2, 4)
     for block in (2, 3):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from helpers import build
 from llama import kernels
 from llama.kernels.build import missing
+from llama.kv_cache import load_kv, store_kv
 
 if missing():
     pytest.skip(f"the integer kernels cannot be built here: {missing()}", allow_module_level=True)
@@ -149,3 +150,24 @@ def test_cached_steps_give_the_bits_of_an_uncached_pass_at_2100_positions(gqa_ck
         steps = [llama.model(tokens[:, :prompt], 0, cache)]
         steps += [llama.model(tokens[:, i:i + 1], i, cache) for i in range(prompt, n)]
     assert torch.equal(torch.cat(steps, dim=1), full)
+
+
+def test_attention_over_int8_rows_is_attention_over_them_dequantized():
+    """`llama_kv.attention` given an int8 cache's rows dequantizes each block of keys as it reads them: the same bits
+    as dequantizing the whole cache first (`load_kv`) and attending over that, on every instruction path, for heads
+    of one block (8, 16) and of several (64, 128), a decode step's few rows and a prompt's many."""
+    random = torch.Generator().manual_seed(0)
+    for head_dim in (8, 16, 64, 128):
+        for bsz, heads, n_q, n_k in [(1, 3, 3, 1), (1, 3, 3, 100), (2, 2, 5, 130), (1, 3, 70, 70)]:
+            q = torch.randn(bsz, heads, n_q, head_dim, generator=random)
+            k = store_kv(torch.randn(bsz, heads, n_k, head_dim, generator=random) * 3, torch.int8)
+            v = store_kv(torch.randn(bsz, heads, n_k, head_dim, generator=random), torch.int8)
+            mask = torch.zeros(bsz, 1, n_q, n_k)
+            mask[..., n_k // 2 + 1:] = float("-inf")
+            for path in kernels.cpu_paths()[:2]:  # scalar, and AVX2 where the CPU has it
+                with kernels.options(path=path):
+                    rows = attention(q, k, v, mask)
+                    floats = attention(q, load_kv(k, head_dim, torch.float32), load_kv(v, head_dim, torch.float32), mask)
+                assert torch.equal(rows, floats), (head_dim, bsz, heads, n_q, n_k, path)
+    with pytest.raises(RuntimeError, match="do not agree"):
+        attention(q, k[..., :-4], v[..., :-4], mask)

@@ -8,6 +8,12 @@
 //                                       all rows (Nq, Nk) or one per row (B, 1, Nq, Nk); float32 or bf16;
 //                                       F.scaled_dot_product_attention's arguments and result
 //
+// With a float32 q, k and v may also be an int8 KV cache's rows as llama/kv_cache.py stores them, (B, H, Nk,
+// D + 4 nb): each position's D values in nb blocks of D / nb, then the bytes of the blocks' float32 scales. A row is
+// dequantized as load_kv does it (each value times its block's scale: one rounding) into a buffer, a block of
+// keys at a time, so the result is the same bits as dequantizing the whole cache first and attending over that,
+// without writing or reading that float copy.
+//
 // Per row, flash attention's online softmax over blocks of kKeyBlock keys that start at multiples of kKeyBlock
 // from key 0, in order (so where a block starts never depends on the rows computed together). In a block, over
 // the keys whose mask is not -inf (the others are skipped: they would add exactly nothing, and a block without
@@ -83,27 +89,47 @@ inline float dot(const float* q, const float* k, int64_t D) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-// What every row of one call shares: the tensors' data, sizes and strides, and the mask's.
-template <typename T>
+// What every row of one call shares: the tensors' data, sizes and strides, and the mask's. KV is the keys' and
+// values' element type: T, or int8_t for an int8 cache's rows (nb scale blocks a row).
+template <typename T, typename KV = T>
 struct Rows {
-  const T *q, *k, *v, *mask;
+  const T *q, *mask;
+  const KV *k, *v;
   T* out;
   int64_t H, Nq, D, Nk;
   int64_t qs[3], ks[3], vs[3];  // strides of b, h and the row
   int64_t mb, mi, mj;           // the mask's strides for row b, query i, key j
+  int64_t nb = 1;               // int8 rows: blocks of D / nb values, each with a float32 scale after the values
   float scale;
 
   float mask_at(int64_t b, int64_t i, int64_t j) const { return mask ? to_float(mask[b * mb + i * mi + j * mj]) : 0.0f; }
 };
 
+// A key or value row as float32: its values (bf16 widened, exactly), or an int8 row dequantized: value times its
+// block's scale, one rounding, as llama/kv_cache.py's load_kv computes it.
+template <typename T, typename KV>
+inline void load_row(const Rows<T, KV>& a, const KV* x, float* y) {
+  if constexpr (std::is_same<KV, int8_t>::value) {
+    const int64_t bs = a.D / a.nb;
+    for (int64_t b = 0; b < a.nb; b++) {
+      float s;
+      std::memcpy(&s, x + a.D + b * 4, sizeof s);
+      for (int64_t d = b * bs; d < (b + 1) * bs; d++) y[d] = static_cast<float>(x[d]) * s;
+    }
+  } else {
+    for (int64_t d = 0; d < a.D; d++) y[d] = to_float(x[d]);
+  }
+}
+
 // The reference: row i of (b, h), exactly the operations of the header, one at a time.
-template <typename T>
-void attend_row(const Rows<T>& a, int64_t b, int64_t h, int64_t i, float* qrow, float* krow, float* acc, float* s) {
+template <typename T, typename KV>
+void attend_row(const Rows<T, KV>& a, int64_t b, int64_t h, int64_t i, float* qrow, float* krow, float* vrow, float* acc,
+                float* s) {
   const int64_t D = a.D;
   const T* qi = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
   for (int64_t d = 0; d < D; d++) qrow[d] = to_float(qi[d]);
-  const T* kb = a.k + b * a.ks[0] + h * a.ks[1];
-  const T* vb = a.v + b * a.vs[0] + h * a.vs[1];
+  const KV* kb = a.k + b * a.ks[0] + h * a.ks[1];
+  const KV* vb = a.v + b * a.vs[0] + h * a.vs[1];
   float m = kHidden, l = 0.0f;
   std::fill(acc, acc + D, 0.0f);
   for (int64_t j0 = 0; j0 < a.Nk; j0 += kKeyBlock) {
@@ -115,8 +141,7 @@ void attend_row(const Rows<T>& a, int64_t b, int64_t h, int64_t i, float* qrow, 
         s[j] = kHidden;
         continue;
       }
-      const T* kj = kb + (j0 + j) * a.ks[2];
-      for (int64_t d = 0; d < D; d++) krow[d] = to_float(kj[d]);
+      load_row(a, kb + (j0 + j) * a.ks[2], krow);
       s[j] = dot(qrow, krow, D) * a.scale + mv;
       bm = std::max(bm, s[j]);
     }
@@ -132,8 +157,8 @@ void attend_row(const Rows<T>& a, int64_t b, int64_t h, int64_t i, float* qrow, 
       if (s[j] == kHidden) continue;
       const float e = exp_neg(s[j] - m);
       lanes[j % 8] += e;
-      const T* vj = vb + (j0 + j) * a.vs[2];
-      for (int64_t d = 0; d < D; d++) acc[d] += e * to_float(vj[d]);
+      load_row(a, vb + (j0 + j) * a.vs[2], vrow);
+      for (int64_t d = 0; d < D; d++) acc[d] += e * vrow[d];
     }
     l += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   }
@@ -236,9 +261,30 @@ LK_AVX2 inline void widen(const at::BFloat16* x, float* y, int64_t n) {
   for (; i < n; i++) y[i] = static_cast<float>(x[i]);
 }
 
+// `load_row` 8 values at a time: int8 widened to float32 (exact), times the block's scale.
+template <typename T, typename KV>
+LK_AVX2 inline void widen_row(const Rows<T, KV>& a, const KV* x, float* y) {
+  if constexpr (std::is_same<KV, int8_t>::value) {
+    const int64_t bs = a.D / a.nb;
+    for (int64_t b = 0; b < a.nb; b++) {
+      float s;
+      std::memcpy(&s, x + a.D + b * 4, sizeof s);
+      const __m256 s8 = _mm256_set1_ps(s);
+      int64_t d = b * bs;
+      for (; d + 8 <= (b + 1) * bs; d += 8) {
+        const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + d)));
+        _mm256_storeu_ps(y + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), s8));
+      }
+      for (; d < (b + 1) * bs; d++) y[d] = static_cast<float>(x[d]) * s;
+    }
+  } else {
+    widen(x, y, a.D);
+  }
+}
+
 // s[0 .. n) = row i's mask over keys j0 .. j0 + n (0 without one); returns how many of them it does not hide.
-template <typename T>
-LK_AVX2 int64_t mask_block(const Rows<T>& a, int64_t b, int64_t i, int64_t j0, int64_t n, float* s) {
+template <typename T, typename KV>
+LK_AVX2 int64_t mask_block(const Rows<T, KV>& a, int64_t b, int64_t i, int64_t j0, int64_t n, float* s) {
   if (!a.mask) {
     std::fill(s, s + n, 0.0f);
     return n;
@@ -265,9 +311,9 @@ struct Tile {
 };
 
 // Rows i0 .. i1 of (b, h) together, each row exactly `attend_row`'s operations in its order.
-template <typename T>
-LK_AVX2 void attend_tile_avx2(const Rows<T>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, Tile& t) {
-  constexpr bool wide = std::is_same<T, float>::value;
+template <typename T, typename KV>
+LK_AVX2 void attend_tile_avx2(const Rows<T, KV>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, Tile& t) {
+  constexpr bool wide = std::is_same<KV, float>::value;  // keys and values read in place; else widened a block at a time
   const int64_t D = a.D, R = i1 - i0;
   const bool lanes = D % 8 == 0;  // the tiled products need whole vectors; else each key alone, via dot_avx2
   float *q[kRowTile], *acc[kRowTile], *s[kRowTile], *e[kRowTile];
@@ -279,8 +325,8 @@ LK_AVX2 void attend_tile_avx2(const Rows<T>& a, int64_t b, int64_t h, int64_t i0
     std::fill(acc[r], acc[r] + D, 0.0f);
     m[r] = kHidden, l[r] = 0.0f;
   }
-  const T* kb = a.k + b * a.ks[0] + h * a.ks[1];
-  const T* vb = a.v + b * a.vs[0] + h * a.vs[1];
+  const KV* kb = a.k + b * a.ks[0] + h * a.ks[1];
+  const KV* vb = a.v + b * a.vs[0] + h * a.vs[1];
   for (int64_t j0 = 0; j0 < a.Nk; j0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, a.Nk - j0);
     // Each row's mask over the block into its scores: whole (every key seen), partly seen, or not at all.
@@ -297,8 +343,8 @@ LK_AVX2 void attend_tile_avx2(const Rows<T>& a, int64_t b, int64_t h, int64_t i0
       kp = kb + j0 * a.ks[2], kstride = a.ks[2], vp = vb + j0 * a.vs[2], vstride = a.vs[2];
     } else {
       for (int64_t j = 0; j < n; j++) {
-        widen(kb + (j0 + j) * a.ks[2], t.k.data() + j * D, D);
-        widen(vb + (j0 + j) * a.vs[2], t.v.data() + j * D, D);
+        widen_row(a, kb + (j0 + j) * a.ks[2], t.k.data() + j * D);
+        widen_row(a, vb + (j0 + j) * a.vs[2], t.v.data() + j * D);
       }
       kp = t.k.data(), kstride = D, vp = t.v.data(), vstride = D;
     }
@@ -392,15 +438,17 @@ LK_AVX2 void attend_tile_avx2(const Rows<T>& a, int64_t b, int64_t h, int64_t i0
 }
 #endif
 
-template <typename T>
-void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* mask, at::Tensor& out) {
-  Rows<T> a;
+template <typename T, typename KV = T>
+void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* mask, at::Tensor& out,
+                 int64_t nb = 1) {
+  Rows<T, KV> a;
   a.q = q.data_ptr<T>();
-  a.k = k.data_ptr<T>();
-  a.v = v.data_ptr<T>();
+  a.k = k.data_ptr<KV>();
+  a.v = v.data_ptr<KV>();
+  a.nb = nb;
   a.out = out.data_ptr<T>();
   a.mask = mask ? mask->data_ptr<T>() : nullptr;
-  a.H = q.size(1), a.Nq = q.size(2), a.D = q.size(3), a.Nk = k.size(2);
+  a.H = q.size(1), a.Nq = q.size(2), a.D = q.size(3), a.Nk = k.size(2);  // int8 rows: D values, then scales
   for (int i = 0; i < 3; i++) a.qs[i] = q.stride(i), a.ks[i] = k.stride(i), a.vs[i] = v.stride(i);
   // A mask of one row for all (Nq, Nk) or one per row (B, 1, Nq, Nk).
   const bool per_row = mask && mask->dim() == 4;
@@ -417,11 +465,13 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   // step's few rows). Within a (b, h) tiles are taken from both ends in turn, so that a thread's contiguous share
   // of a causal mask's triangle holds short and long rows alike.
   const int64_t BH = q.size(0) * a.H;
-  const int64_t R = avx2 ? std::clamp<int64_t>(BH * a.Nq / (4 * at::get_num_threads()), 1, kRowTile) : 1;
+  // int8 rows: whole tiles even for a decode step's few rows, so a key block is dequantized once for all of them.
+  const int64_t rows_wanted = std::is_same<KV, int8_t>::value ? a.Nq : BH * a.Nq / (4 * at::get_num_threads());
+  const int64_t R = avx2 ? std::clamp<int64_t>(rows_wanted, 1, kRowTile) : 1;
   const int64_t tiles = (a.Nq + R - 1) / R;
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, R * a.Nk * a.D));
   at::parallel_for(0, BH * tiles, grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> qrow(a.D), krow(a.D), acc(a.D), s(kKeyBlock);
+    std::vector<float> qrow(a.D), krow(a.D), vrow(a.D), acc(a.D), s(kKeyBlock);
 #if LLAMA_KV_X86
     std::unique_ptr<Tile> tile(avx2 ? new Tile(a.D) : nullptr);
 #endif
@@ -435,7 +485,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         continue;
       }
 #endif
-      for (int64_t i = i0; i < i1; i++) attend_row(a, b, h, i, qrow.data(), krow.data(), acc.data(), s.data());
+      for (int64_t i = i0; i < i1; i++) attend_row(a, b, h, i, qrow.data(), krow.data(), vrow.data(), acc.data(), s.data());
     }
   });
 }
@@ -443,10 +493,14 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask) {
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q, k and v must be (B, H, N, D)");
   TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention: tensors must be on the CPU");
-  TORCH_CHECK(q_in.scalar_type() == k.scalar_type() && q_in.scalar_type() == v.scalar_type() &&
-                  (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16),
-              "attention: q, k and v must be all float32 or all bfloat16");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q_in.size(0) && k.size(1) == q_in.size(1) && k.size(3) == q_in.size(3),
+  const bool rows8 = k.scalar_type() == at::kChar;  // an int8 cache's rows: D values, then nb float32 scales
+  const int64_t D = q_in.size(3), nb = D % 32 == 0 ? D / 32 : 1;  // llama/kv_cache.py's blocks
+  TORCH_CHECK(rows8 ? q_in.scalar_type() == at::kFloat && v.scalar_type() == at::kChar
+                    : q_in.scalar_type() == k.scalar_type() && q_in.scalar_type() == v.scalar_type() &&
+                          (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16),
+              "attention: q, k and v must be all float32 or all bfloat16, or a float32 q with int8 rows of k and v");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q_in.size(0) && k.size(1) == q_in.size(1) &&
+                  k.size(3) == (rows8 ? D + 4 * nb : D),
               "attention: q ", q_in.sizes(), ", k ", k.sizes(), " and v ", v.sizes(), " do not agree");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attention: keys and values must be contiguous along D");
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
@@ -460,7 +514,9 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
     TORCH_CHECK(one || per_row, "attention: mask ", m.sizes(), " must be (", q.size(2), ", ", k.size(2), ") or (",
                 q.size(0), ", 1, ", q.size(2), ", ", k.size(2), ")");
   }
-  if (q.scalar_type() == at::kFloat)
+  if (rows8)
+    attend_rows<float, int8_t>(q, k, v, mask.has_value() ? &m : nullptr, out, nb);
+  else if (q.scalar_type() == at::kFloat)
     attend_rows<float>(q, k, v, mask.has_value() ? &m : nullptr, out);
   else
     attend_rows<at::BFloat16>(q, k, v, mask.has_value() ? &m : nullptr, out);
