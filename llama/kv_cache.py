@@ -75,6 +75,12 @@ def load_kv(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tens
     return (q.float() * scale[..., None]).flatten(-2).to(dtype)
 
 
+def as_read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A cache's rows as attention takes them: int8 rows as stored (the model dequantizes them where its attention
+    cannot read them, `model.reads_int8_rows`), float rows in the activations' dtype."""
+    return rows if rows.dtype == torch.int8 else rows.to(dtype)
+
+
 def round_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of `dtype` gives it back: what the uncached pass attends over, so that it reads the same keys
     and values as the cached path does."""
@@ -186,7 +192,7 @@ class KVCache(nn.Module):
         if bsz > self.batch_size:
             raise ValueError(f"a batch of {bsz} rows does not fit a KV cache built for {self.batch_size}")
         _check_positions(input_pos, self.max_seq_len)
-        head_dim, dtype = xk.shape[3], xk.dtype
+        dtype = xk.dtype
         xk, xv = store_kv(xk, self.dtype), store_kv(xv, self.dtype)  # the same tensors where dtype is the model's
         if input_pos.shape[0] == 1:  # one copy along the positions for all rows (advanced indexing is slower)
             self.cache_k[:bsz].index_copy_(2, input_pos[0], xk)
@@ -196,10 +202,7 @@ class KVCache(nn.Module):
             self.cache_k[rows, :, input_pos] = xk.transpose(1, 2)  # indexed as (bsz, seqlen, n_kv_heads, width)
             self.cache_v[rows, :, input_pos] = xv.transpose(1, 2)
         kv_len = self.max_seq_len if kv_len is None else kv_len
-        keys, values = self.cache_k[:bsz, :, :kv_len], self.cache_v[:bsz, :, :kv_len]
-        if self.dtype == torch.int8:
-            return keys, values
-        return load_kv(keys, head_dim, dtype), load_kv(values, head_dim, dtype)
+        return as_read(self.cache_k[:bsz, :, :kv_len], dtype), as_read(self.cache_v[:bsz, :, :kv_len], dtype)
 
 
 def describe_kv_cache(dtype: torch.dtype, bytes_per_token: int) -> str:
@@ -342,7 +345,7 @@ class PagedLayerCache:
             (bsz, n_kv_heads, kv_len, head_dim) keys and values in xk's dtype, or for int8 the stored rows
             (bsz, n_kv_heads, kv_len, kv_row_width): column j holds position j of the row.
         """
-        bsz, n_kv_heads, _, head_dim = xk.shape
+        bsz, n_kv_heads = xk.shape[:2]
         dtype, width = xk.dtype, self.keys.shape[2]
         xk, xv = store_kv(xk, self.keys.dtype), store_kv(xv, self.keys.dtype)  # the same tensors in the model's dtype
         # index_copy_ / index_select with flat indices: advanced indexing with a 2-D index is three orders of
@@ -353,9 +356,6 @@ class PagedLayerCache:
         self.values.index_copy_(1, index, xv.transpose(0, 1).reshape(n_kv_heads, -1, width))
         read = self.read.flatten()
         shape = (n_kv_heads, bsz, self.kv_len, width)
-        # (n_kv_heads, bsz, kv_len, width) -> (bsz, n_kv_heads, kv_len, head_dim)
-        keys = self.keys.index_select(1, read).view(shape).transpose(0, 1)
-        values = self.values.index_select(1, read).view(shape).transpose(0, 1)
-        if self.keys.dtype == torch.int8:
-            return keys, values
-        return load_kv(keys, head_dim, dtype), load_kv(values, head_dim, dtype)
+        # (n_kv_heads, bsz, kv_len, width) -> (bsz, n_kv_heads, kv_len, width)
+        keys = as_read(self.keys.index_select(1, read).view(shape).transpose(0, 1), dtype)
+        return keys, as_read(self.values.index_select(1, read).view(shape).transpose(0, 1), dtype)
