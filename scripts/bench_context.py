@@ -29,11 +29,9 @@ from typing import Dict, List, Optional
 import fire
 import torch
 
-from bench_server import build_llama_cpp, f32_gguf
+from bench_server import GGUF_TYPES, build_llama_cpp, f32_gguf
 from llama import Llama
 from llama.convert.fetch import default_model_dir
-
-GGUF_TYPES = {"none": "F32", "int8": "Q8_0", "int4": "Q4_0"}
 
 
 def _list(value) -> List[str]:

@@ -112,6 +112,10 @@ def build_llama_cpp(cache_dir: Path, threads: int, targets=("llama-server", "lla
     return bin_dir
 
 
+# llama.cpp's GGUF type beside each of our --quantize choices (`f32_gguf`'s gguf_type).
+GGUF_TYPES = {"none": "F32", "int8": "Q8_0", "int4": "Q4_0"}
+
+
 def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int, gguf_type: str = "F32") -> Path:
     """The default model as an F32 GGUF (or `gguf_type`: Q8_0, Q4_0, ...), made from the shipped Q4_1 file by
     llama.cpp's own quantizer, every tensor in that type: F32 holds exactly the dequantized values."""

@@ -36,7 +36,6 @@ from llama.convert.fetch import default_model_dir
 from llama.speculative import DraftModel, SpeculationStats
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "speculative"
-GGUF_TYPES = {"none": "F32", "int8": "Q8_0", "int4": "Q4_0"}  # llama.cpp's counterpart of each --quantize
 
 
 def timed(llama: Llama, prompt, max_gen_len: int, **kwargs):
@@ -89,7 +88,7 @@ def main() -> None:
     if args.llamacpp:
         import os
 
-        from bench_server import build_llama_cpp, f32_gguf
+        from bench_server import GGUF_TYPES, build_llama_cpp, f32_gguf
 
         cache = Path(args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                      / "llama-kv-bench-server")
