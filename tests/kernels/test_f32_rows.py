@@ -19,7 +19,7 @@ U = 2.0 ** -24
 # The float paths the library picks from its instruction paths (kernels.h): scalar, AVX2 + FMA, AVX-512.
 FLOAT_PATHS = ["scalar", "avx2", "avx512vnni"]
 SHAPES = [(37, 19), (64, 576), (1000, 33), (5, 8), (9, 1), (37, 600)]  # (out, in): ragged in both, one-column rows;
-# the last with 16 rows is over f32_rows.cpp's PAIR_BYTES: two weight rows a pass, an odd one left over
+# the last with 16 rows is over f32_rows.cpp's PAIR_BYTES: several weight rows a pass, one left over
 
 
 @pytest.fixture(params=FLOAT_PATHS)
@@ -50,20 +50,24 @@ def test_within_the_float32_bound_of_the_exact_sum(path, out_features, in_featur
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it_or_the_threads(path, threads):
+@pytest.mark.parametrize("rows", [16, 131])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it_or_the_threads(path, threads, rows):
+    """16 rows of 600 are past PAIR_BYTES (several weight rows a pass); 131 are past BLOCK_BYTES as well (blocks of
+    rows, the last one ragged). Each output as it is alone, in any company and on any number of threads."""
     g = torch.Generator().manual_seed(7)
-    w = torch.randn(1533, 600, generator=g)  # 16 rows of 600 take two weight rows a pass: each output as alone
-    x = torch.randn(16, 600, generator=g)
+    w = torch.randn(1531, 600, generator=g)  # no whole number of threes or fours of weight rows
+    x = torch.randn(rows, 600, generator=g)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         together = torch.ops.llama_kv.f32_linear(x, w)
-        alone = torch.cat([torch.ops.llama_kv.f32_linear(x[i : i + 1], w) for i in range(16)])
-        pairs = torch.cat([torch.ops.llama_kv.f32_linear(x[i : i + 3], w) for i in range(0, 16, 3)])
+        alone = torch.cat([torch.ops.llama_kv.f32_linear(x[i : i + 1], w) for i in range(rows)])
+        threes = torch.cat([torch.ops.llama_kv.f32_linear(x[i : i + 3], w) for i in range(0, rows, 3)])
     finally:
         torch.set_num_threads(before)
     reference = torch.ops.llama_kv.f32_linear(x, w)  # at the suite's 2 threads
-    assert torch.equal(together, alone) and torch.equal(together, pairs) and torch.equal(together, reference)
+    assert torch.equal(together, alone) and torch.equal(together, threes) and torch.equal(together, reference)
+    assert ((together.double() - x.double() @ w.double().t()).abs() <= _bound(x, w)).all()
 
 
 def test_leading_dimensions_are_kept_and_bad_weights_refused():

@@ -7,8 +7,8 @@
 //   q8_16_linear(x, weight, scales, out_features)         int8 in groups of 16, two scales a block (Q6_K's)
 //   q4_0_linear(x, weight, out_features)                  int4 blocks of 32 with a scale (Q4_0), scales inside
 //   q4_1_linear(x, weight, out_features)                  int4 blocks of 32 with a minimum too (Q4_1)
-//   f32_linear(x, weight)                                 float32 x times a row-major float32 weight, for a
-//                                                        few rows (f32_rows.cpp)
+//   f32_linear(x, weight)                                 float32 x times a row-major float32 weight, each row
+//                                                        as alone (f32_rows.cpp)
 //   dequantize_q8_0 / _q8_16 / _q4_0 / _q4_1(...)         the float32 (out, K) weight
 //   cpu_paths()                                          the paths this CPU runs, as numbers (kernels.h)
 //   set_options(path, gemm_min_rows)                     force a path (-1: the best) and where products
