@@ -230,8 +230,11 @@ class Llama:
                          "layers run on the exact weight-only paths")
         if (compiled or kv_dtype == torch.int8) and device.type == "cpu" and dtype == torch.float32:
             kernels.load(progress)  # float32 products of a few rows (RowsLinear); attention over int8 keys and values
+        # Keys and values rounded to int8: every float32 product row-exact too, so that the cached and uncached passes,
+        # which compute a key among different rows, round it alike (llama/quant/linears.py, RowExactLinear).
         model, layer_plan = load_weights(model, reader, args, plan, rank, world_size, device, dtype, compiled=compiled,
-                                         integer=integer, have=Kernels.here(), progress=progress)
+                                         integer=integer, have=Kernels.here(), progress=progress,
+                                         exact_float=kv_dtype == torch.int8)
         model.kv_cache_dtype = kv_dtype if kv_dtype != dtype else None  # None: the model's, whatever it becomes
         quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         on_exact_paths = [m for m in quantized if not isinstance(m, DotLinear)]

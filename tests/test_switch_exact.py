@@ -6,7 +6,8 @@ int8 and int4 on every other kernel path this CPU runs.
 
 What holds (README, "What the switch guarantees"): on the integer kernels the same tokens and the same
 log-probabilities bit for bit; in float32 the same tokens, log-probabilities within FLOAT32_BOUND (the compiled
-step's products sum in another order than MKL's).
+step's products sum in another order than MKL's); with int8 keys and values (`--kv-cache-dtype int8`), float32
+too bit for bit.
 """
 
 import pytest
@@ -68,6 +69,23 @@ def test_cache_on_and_off_give_the_same_answer_in_the_default_mode(llama):
             assert torch.equal(lp_cached, lp_uncached), (prompt, (lp_cached - lp_uncached).abs().max().item())
         else:
             assert (lp_cached - lp_uncached).abs().max().item() <= FLOAT32_BOUND, prompt
+
+
+def test_an_int8_kv_cache_keeps_the_switch_exact_on_float32_weights():
+    """`--kv-cache-dtype int8` on the default model's float32 weights, in the default mode: every product row-exact
+    (RowExactLinear, llama/quant/linears.py), so cached and uncached give the same tokens and log-probabilities bit
+    for bit, each prompt alone against all eight in one uncached batch."""
+    llama = Llama.build(default_model_dir(), max_seq_len=128, max_batch_size=len(PROMPTS), device="cpu",
+                        dtype="float32", kv_cache_dtype="int8", compile="auto")
+    assert llama.info.layer_plan.row_exact and llama.compiled_step is not None
+    llama.compiled_step.wait()
+    ids = [llama.tokenizer.encode(prompt, bos=True, eos=False) for prompt in PROMPTS]
+    batch, batch_lp = llama.generate(ids, TOKENS, temperature=0, logprobs=True, ignore_stop=True, kv_cache=False)
+    for prompt, row, uncached, lp_uncached in zip(PROMPTS, ids, batch, batch_lp):
+        cached, lp_cached = _greedy(llama, row, kv_cache=True)
+        lp_uncached = torch.tensor(lp_uncached, dtype=torch.float64)
+        assert cached == uncached, prompt
+        assert torch.equal(lp_cached, lp_uncached), (prompt, (lp_cached - lp_uncached).abs().max().item())
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,8 @@ def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan
 
 def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, plan: Plan, rank: int, world_size: int,
                  device: torch.device, dtype: torch.dtype, compiled: bool, integer: bool = True,
-                 have: Optional[Kernels] = None, progress: Optional[Progress] = None) -> Tuple[nn.Module, LayerPlan]:
+                 have: Optional[Kernels] = None, progress: Optional[Progress] = None,
+                 exact_float: bool = False) -> Tuple[nn.Module, LayerPlan]:
     """Fill `model` (built on the meta device, already split for `world_size` ranks) from `source`, and make each
     layer the class its layer plan says (llama/quant/layer_plan.py); returns the model and the plan.
 
@@ -164,8 +165,11 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             than on the exact weight-only paths.
         have: the kernels the plan may choose (None: what the process has loaded, `Kernels.here()`).
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
+        exact_float: float32 layers row-exact too (`plan_layers`), their weights row-major.
     """
-    input_major = device.type == "cpu" and not compiled
+    have = have or Kernels.here()
+    exact_float = exact_float and have.ours and dtype == torch.float32 and device.type == "cpu"
+    input_major = device.type == "cpu" and not compiled and not exact_float
     progress = or_silent(progress)
     full_shapes = expected_shapes(args)
     stored = _quantized_shapes(full_shapes, source.stored_plan)
@@ -221,7 +225,8 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
     state.clear()
     layers = None  # nor the old layers, which apply_layer_plan frees one parent at a time
     specs, groups = describe_layers(model)
-    layer_plan = plan_layers(specs, model.dtype, model.device.type, compiled, have or Kernels.here(), integer, groups)
+    layer_plan = plan_layers(specs, model.dtype, model.device.type, compiled, have, integer, groups,
+                             exact_float=exact_float)
     apply_layer_plan(model, layer_plan)
     layers = dict(model.named_modules())
     for name, tensor in stored:

@@ -33,7 +33,7 @@ from llama.quant.dot_linears import (DotLinear, Int4DotLinear, Int4ZeroPointDotL
 from llama.quant.layer import QuantizedLinear
 from llama.quant.linears import (HAS_INT4_KERNEL, HAS_INT8_KERNEL, INT4_KERNEL_GROUPS, INT4_ROW_BLOCK,
                                  Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
-                                 ReductionLinear, RowsLinear)
+                                 ReductionLinear, RowExactLinear, RowsLinear)
 from llama.runtime.pages import return_free_memory, shared_huge_pages
 
 
@@ -59,6 +59,8 @@ LINEAR_CLASSES = (
                 "llama_kv.f32_linear at 2 to ROWS_MAX_ROWS rows (each weight row read once for all), "
                 "ReductionLinear's reduction at one",
                 "float32 weights compiled on the CPU, with llama/kernels loaded and the weight row-major"),
+    LinearClass(RowExactLinear, "float32, row-major", "llama_kv.f32_linear at every row count, eager and compiled",
+                "float32 weights on the CPU with llama/kernels loaded, where keys and values are rounded to int8"),
     LinearClass(Int8Linear, "int8 + float16 scales",
                 "widening the weight, then F.linear; compiled on the CPU, at a few rows a reduction dequantizing in "
                 "registers", "int8 where none of the classes below is"),
@@ -133,7 +135,7 @@ class LayerPlan:
 
 def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str, compiled: bool, have: Kernels,
                 integer: Optional[bool] = None, groups: Mapping[str, type] = MappingProxyType({}), fuse: bool = True,
-                pages: bool = True) -> LayerPlan:
+                pages: bool = True, exact_float: bool = False) -> LayerPlan:
     """The class of every linear layer, decided from what it is given alone.
 
     Args:
@@ -149,9 +151,13 @@ def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str
             (`describe_layers`); they are where the projections all become one integer-kernel class that can
             join them, unless `fuse` is False.
         pages: re-packed layers go on 2 MiB pages.
+        exact_float: float32 layers too become row-exact (`RowExactLinear`), with attention, the rotary embedding
+            and the norms: asked where keys and values are rounded to int8, so that a position computed alone
+            and among others rounds them alike.
     """
     cpu = device == "cpu"
-    classes = {name: _layer_class(spec, dtype, cpu, compiled, have, integer) for name, spec in layers.items()}
+    classes = {name: _layer_class(spec, dtype, cpu, compiled, have, integer, exact_float)
+               for name, spec in layers.items()}
     fused = {}
     for parent, fused_class in (groups.items() if fuse else ()):
         names = [f"{parent}.{n}" if parent else n for n in fused_class.names]
@@ -161,14 +167,16 @@ def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str
         cls = classes[names[0]]
         if all(classes[n] is cls for n in names) and issubclass(cls, DotLinear) and cls.can_join(specs):
             fused[parent] = fused_class
-    row_exact = any(issubclass(cls, DotLinear) for cls in classes.values())
+    row_exact = any(issubclass(cls, (DotLinear, RowExactLinear)) for cls in classes.values())
     return LayerPlan(dtype, MappingProxyType(classes), MappingProxyType(fused), row_exact, pages)
 
 
 def _layer_class(spec: LayerSpec, dtype: torch.dtype, cpu: bool, compiled: bool, have: Kernels,
-                 integer: Optional[bool]) -> type:
+                 integer: Optional[bool], exact_float: bool = False) -> type:
     """One layer's class: `LINEAR_CLASSES`' "chosen" column, in code."""
     if not spec.method:
+        if exact_float and cpu and have.ours and dtype == torch.float32 and spec.row_major:
+            return RowExactLinear
         if not (cpu and compiled):
             return nn.Linear
         return RowsLinear if have.ours and dtype == torch.float32 and spec.row_major else ReductionLinear

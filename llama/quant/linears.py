@@ -90,6 +90,21 @@ class RowsLinear(ReductionLinear):
         return super().forward(x)
 
 
+class RowExactLinear(nn.Linear):
+    """float32 weights multiplied on `torch.ops.llama_kv.f32_linear` at every row count, eager and compiled alike.
+
+    Each output is one dot product summed in one fixed order (llama/kernels/csrc/f32_rows.cpp), so a row's outputs
+    are the same bits whether it is multiplied alone (a cached step) or among a prompt's rows (an uncached pass);
+    MKL's products differ in the last bits between those. Chosen where keys and values are rounded to int8
+    (llama/kv_cache.py), which would turn such a difference into a whole int8 step now and then. Weights
+    row-major.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.llama_kv.f32_linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+
 class Int8Linear(QuantizedLinear):
     """int8 weights, w = weight * scale, one scale per group of columns (or per row); multiplied by widening, and in
     a compiled CPU step at a few rows by a reduction that dequantizes each weight in registers inside one loop."""

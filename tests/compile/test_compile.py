@@ -379,19 +379,13 @@ def wide_ckpt(tmp_path_factory):
     return path
 
 
-# Float32 weights with int8 keys and values: the compiled and the eager step compute the new keys apart by float32
-# rounding (1e-5 with a float cache), and now and then that puts one on the other side of an int8 rounding boundary,
-# which moves it by a whole step; the same bound as cached against uncached (tests/test_kv_int8.py). Seen here:
-# logits apart by 8e-5. On the integer kernels every op between the roundings is row-exact: the same bits.
-INT8_KV_FLOAT_BOUND = 1e-2
-
-
 @pytest.mark.parametrize("quantize", [None, "int8"], ids=["float32", "integer-kernels"])
 def test_an_int8_kv_cache_runs_the_stored_steps_with_the_eager_answer(wide_ckpt, tmp_path, monkeypatch, quantize):
     """With kv_cache_dtype="int8" the one-token step and the step that checks a speculative draft come from stored
-    packages built for an int8 cache (rows of values and their scales' bytes), and answer as the eager step does:
-    the same bits on the integer kernels, the same tokens on float32 weights."""
-    if quantize and missing() is not None:
+    packages built for an int8 cache (rows of values and their scales' bytes), and answer as the eager step does,
+    bit for bit: every op between the roundings is row-exact, on the integer kernels and on float32 weights alike
+    (llama/quant/linears.py, RowExactLinear)."""
+    if missing() is not None:
         pytest.skip(f"the integer kernels cannot be built here: {missing()}")
     monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
     monkeypatch.setattr(Speculation, "CHECK_COST", 0.0)  # every draft checked
@@ -407,11 +401,7 @@ def test_an_int8_kv_cache_runs_the_stored_steps_with_the_eager_answer(wide_ckpt,
     metas = [json.loads((d / "meta.json").read_text()) for d in tmp_path.iterdir()]
     assert len(metas) == 2 and all(m["key"]["kv_dtype"] == "int8" for m in metas)
     for got, got_lp in runs:
-        assert got == want
-        if quantize:
-            assert got_lp == want_lp
-        else:
-            torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), rtol=0, atol=INT8_KV_FLOAT_BOUND)
+        assert got == want and got_lp == want_lp
 
 
 def test_a_bfloat16_kv_cache_on_float32_weights_runs_the_stored_step(wide_ckpt, tmp_path, monkeypatch):

@@ -254,9 +254,7 @@ def test_an_int8_file_records_int8_resumes_with_the_same_tokens_and_is_refused_b
     longer = session.tokens + int8.tokenizer.encode(" and more", bos=False, eos=False)
     got = int8.generate([longer], 10, temperature=0, logprobs=True, session=resumed)
     expected = int8.generate([longer], 10, temperature=0, logprobs=True)
-    assert got[0] == expected[0] and resumed.last_reused == len(session.tokens)
-    # int8 keys of a float32 model: float32 rounding can put a key on either side of an int8 step (test_kv_int8.py)
-    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(expected[1]), rtol=0, atol=1e-2)
+    assert got == expected and resumed.last_reused == len(session.tokens)  # row-exact under an int8 cache
 
     for other in (build(gqa_ckpt), build(gqa_ckpt, kv_cache_dtype="bfloat16")):
         held = str(other.model.kv_cache_dtype).removeprefix("torch.")

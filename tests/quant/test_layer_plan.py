@@ -10,7 +10,7 @@ from llama.quant.dot_linears import (Int4DotLinear, Int4ZeroPointDotLinear, Int8
 from llama.quant.fuse import FusedAttention, FusedFeedForward
 from llama.quant.layer_plan import LINEAR_CLASSES, Kernels, LayerSpec, plan_layers
 from llama.quant.linears import (Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
-                                 ReductionLinear, RowsLinear)
+                                 ReductionLinear, RowExactLinear, RowsLinear)
 
 ALL = Kernels(ours=True, int8pack=True, int4pack=True)
 FLOAT = LayerSpec(64, 64)
@@ -18,8 +18,8 @@ INT8 = LayerSpec(64, 64, "int8")
 INT4 = LayerSpec(64, 64, "int4", 32)
 
 
-def one(spec, dtype=torch.float32, device="cpu", compiled=False, have=ALL, integer=None):
-    return plan_layers({"w": spec}, dtype, device, compiled, have, integer).classes["w"]
+def one(spec, dtype=torch.float32, device="cpu", compiled=False, have=ALL, integer=None, exact_float=False):
+    return plan_layers({"w": spec}, dtype, device, compiled, have, integer, exact_float=exact_float).classes["w"]
 
 
 def test_float_layers_take_the_reductions_only_compiled_on_the_cpu():
@@ -29,6 +29,21 @@ def test_float_layers_take_the_reductions_only_compiled_on_the_cpu():
     assert one(FLOAT, compiled=True, have=Kernels()) is ReductionLinear
     assert one(FLOAT, torch.bfloat16, compiled=True) is ReductionLinear
     assert one(LayerSpec(64, 64, row_major=False), compiled=True) is ReductionLinear
+
+
+def test_float32_layers_become_row_exact_where_asked_and_the_kernels_can():
+    """exact_float (an int8 KV cache): float32 CPU layers on f32_linear at every row count, eager or compiled, and
+    attention, the rotary embedding and the norms with them; not in bf16, on a GPU, or without the kernels."""
+    for compiled in (False, True):
+        assert one(FLOAT, compiled=compiled, exact_float=True) is RowExactLinear
+        assert plan_layers({"w": FLOAT}, torch.float32, "cpu", compiled, ALL, exact_float=True).row_exact
+    assert one(FLOAT, torch.bfloat16, exact_float=True) is nn.Linear
+    assert one(FLOAT, device="cuda", exact_float=True) is nn.Linear
+    assert one(FLOAT, have=Kernels(), exact_float=True) is nn.Linear
+    assert not plan_layers({"w": FLOAT}, torch.float32, "cpu", False, Kernels(), exact_float=True).row_exact
+    assert one(LayerSpec(64, 64, row_major=False), exact_float=True) is nn.Linear
+    for integer in (None, False, True):  # quantized layers: the class they would have without it
+        assert one(INT8, integer=integer, exact_float=True) is one(INT8, integer=integer)
 
 
 def test_int8_on_torchs_kernel_the_widening_path_or_the_integer_kernels():
@@ -84,10 +99,10 @@ def test_every_class_the_plan_chooses_is_in_the_table_and_every_row_is_chosen():
     specs = [FLOAT, LayerSpec(64, 64, row_major=False), INT8, LayerSpec(64, 64, "int8", 16), INT4,
              LayerSpec(64, 64, "int4", 32, zero_point=True), LayerSpec(64, 64, "int4", 32, integer=True)]
     chosen = set()
-    for spec, dtype, device, compiled, have, integer in itertools.product(
+    for spec, dtype, device, compiled, have, integer, exact_float in itertools.product(
             specs, (torch.float32, torch.bfloat16, torch.float16), ("cpu", "cuda"), (False, True),
-            (ALL, Kernels()), (None, False, True)):
-        chosen.add(one(spec, dtype, device, compiled, have, integer))
+            (ALL, Kernels()), (None, False, True), (False, True)):
+        chosen.add(one(spec, dtype, device, compiled, have, integer, exact_float))
     table = [row.cls for row in LINEAR_CLASSES]
     assert len(table) == len(set(table)) and chosen == set(table)
 
