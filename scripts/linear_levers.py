@@ -1,4 +1,4 @@
-"""Ways to multiply one row of activations by a float32 weight matrix on the CPU, timed per shape.
+"""Ways to multiply rows of activations (one, by default) by a float32 weight matrix on the CPU, timed per shape.
 
     python scripts/linear_levers.py [--threads 2] [--repeats 20] [--rows 1]
 
@@ -13,6 +13,9 @@ weight read per second that it implies. Candidates that this torch build lacks a
     onednn packed            torch.ops.mkldnn._linear_pointwise on a weight from mkldnn._reorder_linear_weight
     onednn, plain weight     torch.ops.mkldnn._linear_pointwise on the (out, in) weight as it is
     onednn, column-major     the same on the input-major copy
+    llama_kv.f32_linear      ours (llama/kernels), row-major: each output summed in one fixed order, a row's bits
+                             the same in any company (RowsLinear, RowExactLinear); skipped where it cannot build
+`--rows 512` times a prompt's products instead of a decode step's.
 The "decode step" line adds up each kernel's passes: the matrix-product part of one decode step.
 """
 
@@ -23,6 +26,8 @@ from typing import Callable, Dict, List, Optional
 import fire
 import torch
 import torch.nn.functional as F
+
+from llama import kernels as llama_kernels
 
 LAYERS = 30
 SHAPES = {  # name: (out, in), and how many of it one decode step multiplies
@@ -54,6 +59,8 @@ def candidates(weights: List[torch.Tensor], rows: int) -> Dict[str, Optional[Cal
                                                  for w in column_major]
     except (AttributeError, RuntimeError):
         out["onednn packed"] = out["onednn, plain weight"] = out["onednn, column-major"] = None
+    out["llama_kv.f32_linear"] = ((lambda x: [torch.ops.llama_kv.f32_linear(x, w) for w in weights])
+                                  if llama_kernels.load() else None)
     return out
 
 
@@ -94,7 +101,8 @@ def main(threads: int = 2, repeats: int = 20, rows: int = 1):
                          f"(max diff {error:.1e})")
         del kernels
         print(f"{shape_name:>7} {n_out}x{n_in} (x{count}):\n    " + "\n    ".join(cells), flush=True)
-    print("decode step, products only: " + ", ".join(f"{n} {step[n] * 1e3:.1f} ms" for n in names))
+    step_name = "decode step" if rows == 1 else f"one step of {rows} rows"
+    print(f"{step_name}, products only: " + ", ".join(f"{n} {step[n] * 1e3:.1f} ms" for n in names))
 
 
 if __name__ == "__main__":
