@@ -2,6 +2,7 @@
 against the same request on a server that computes it.
 
     python scripts/bench_disk_cache.py [--repeats 3] [--system-tokens 2000] [--threads 2] [--ckpt-dir DIR]
+        [--kv-cache-dtype auto|int8] [--llamacpp] [--cache-dir DIR]
 
 First a server with --kv-cache-dir (a new temporary directory) answers one request with the system prompt, and
 stops: its blocks are on disk. Then, --repeats times, interleaved: a new server on that directory, and a new
@@ -11,7 +12,14 @@ content. Both answers must be the same text; the disk run must report cached tok
 
 Both servers run the default model (or --ckpt-dir) as `llama-server --no-compile --parallel 1` with
 OMP_NUM_THREADS=--threads: prompts are fed eagerly either way, and the stored decode step would only add its
-first build to the first start.
+first build to the first start. --kv-cache-dtype is both servers' (int8: a quarter of the bytes on disk).
+
+With --llamacpp, llama.cpp's server does the same on the same weights (an F32 GGUF of the default model, its KV
+cache in its default f16), its way: `--slot-save-path`, the warm request's slot saved to a file
+(`POST /slots/0?action=save`), and on each fresh server that file restored (`?action=restore`) before the request.
+Its time to first token counts the restore too; its "cached" tokens are those its timings say it did not
+evaluate (prompt tokens - `prompt_n`). llama.cpp is built once from the llama-cpp-python sdist (bench_server.py's
+build_llama_cpp, in --cache-dir).
 """
 
 import json
@@ -45,10 +53,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(ckpt_dir: Optional[str], threads: int, max_seq_len: int, kv_cache_dir: Optional[Path]) -> subprocess.Popen:
+def start(ckpt_dir: Optional[str], threads: int, max_seq_len: int, kv_cache_dir: Optional[Path],
+          kv_cache_dtype: str = "auto") -> subprocess.Popen:
     port = free_port()
     cmd = [sys.executable, "-m", "llama.cli.server", "--port", str(port), "--parallel", "1", "--no-compile",
-           "--max-seq-len", str(max_seq_len)] + (["--ckpt-dir", ckpt_dir] if ckpt_dir else [])
+           "--max-seq-len", str(max_seq_len), "--kv-cache-dtype", kv_cache_dtype]
+    cmd += ["--ckpt-dir", ckpt_dir] if ckpt_dir else []
     cmd += ["--kv-cache-dir", str(kv_cache_dir)] if kv_cache_dir is not None else []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -94,13 +104,86 @@ def ask(proc: subprocess.Popen, system: str, question: str, max_tokens: int = 8)
             "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir: str = None, json_file: str = None):
+def messages(system: str, question: str) -> List[Dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def ask_llama_cpp(proc: subprocess.Popen, system: str, question: str, max_tokens: int = 8,
+                  restore: Optional[str] = None) -> Dict:
+    """ask() on llama.cpp's server, its slot first restored from `restore` (a file in --slot-save-path): the
+    restore's time counts toward the first token. Tokens it did not evaluate count as cached."""
+    start_time = time.perf_counter()
+    if restore is not None:
+        r = httpx.post(proc.url + "/slots/0?action=restore", json={"filename": restore}, timeout=600)
+        r.raise_for_status()
+    body = {"model": "m", "stream": True, "temperature": 0, "max_tokens": max_tokens, "id_slot": 0,
+            "cache_prompt": True, "messages": messages(system, question)}
+    first, text, timings, prompt_tokens = None, "", None, None
+    with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            timings = payload.get("timings") or timings
+            prompt_tokens = (payload.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+            for choice in payload.get("choices") or []:
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    first = first or time.perf_counter()
+                    text += content
+    evaluated = timings["prompt_n"]
+    total = prompt_tokens if prompt_tokens is not None else evaluated + timings.get("cache_n", 0)
+    return {"ttft": (first or time.perf_counter()) - start_time, "text": text, "prompt_tokens": total,
+            "cached_tokens": total - evaluated}
+
+
+def run_llama_cpp(repeats: int, system: str, threads: int, max_seq_len: int, cache_dir: Optional[str]) -> List[Dict]:
+    """llama.cpp's slot save and restore, as the module docstring says; the runs, as main's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_server import build_llama_cpp, f32_gguf, start_llama_cpp, wait_ready
+
+    cache = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-kv-bench-server")
+    bin_dir = build_llama_cpp(cache, threads)
+    gguf = f32_gguf(bin_dir, cache, threads)
+    slots = Path(tempfile.mkdtemp(prefix="bench-disk-cache-slots-"))
+    runs: List[Dict] = []
+    try:
+        def fresh(save: bool) -> subprocess.Popen:
+            proc = start_llama_cpp(bin_dir, gguf, threads, 1, max_seq_len, ["--slot-save-path", str(slots)] if save else [])
+            wait_ready(proc.url, proc)
+            return proc
+
+        proc = fresh(True)
+        ask_llama_cpp(proc, system, "Where is the library?", max_tokens=1)
+        httpx.post(proc.url + "/slots/0?action=save", json={"filename": "system.bin"}, timeout=600).raise_for_status()
+        stop(proc)
+        print(f"llama.cpp slot file: {(slots / 'system.bin').stat().st_size / 2**20:.1f} MiB", flush=True)
+        for r in range(repeats):
+            question = QUESTIONS[r % len(QUESTIONS)]
+            for mode in ("restored", "computed"):
+                proc = fresh(True)
+                result = ask_llama_cpp(proc, system, question, restore="system.bin" if mode == "restored" else None)
+                stop(proc)
+                result.update(mode=f"llama.cpp {mode}", repeat=r)
+                runs.append(result)
+                print(f"llama.cpp {mode:>8}: ttft {result['ttft'] * 1000:8.0f} ms, {result['cached_tokens']} of "
+                      f"{result['prompt_tokens']} prompt tokens not evaluated", flush=True)
+            if runs[-2]["text"] != runs[-1]["text"]:
+                print(f"llama.cpp's restored and computed answers differ: {runs[-2]['text']!r} {runs[-1]['text']!r}")
+    finally:
+        shutil.rmtree(slots, ignore_errors=True)
+    return runs
+
+
+def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir: str = None, json_file: str = None,
+         llamacpp: bool = False, cache_dir: str = None, kv_cache_dtype: str = "auto"):
     """Measure time to first token with the system prompt loaded from disk and computed; see the module docstring."""
     directory = Path(tempfile.mkdtemp(prefix="bench-disk-cache-"))
     try:
         system = PARAGRAPH * max(1, round(system_tokens / 46))  # 46 tokens a paragraph for the default model
         max_seq_len = 2 * system_tokens + 256
-        proc = start(ckpt_dir, threads, max_seq_len, directory)
+        proc = start(ckpt_dir, threads, max_seq_len, directory, kv_cache_dtype)
         warm = ask(proc, system, "Where is the library?", max_tokens=1)
         stop(proc)
         files = list(directory.glob("*.kvblock"))
@@ -110,7 +193,7 @@ def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir
         for r in range(repeats):
             question = QUESTIONS[r % len(QUESTIONS)]
             for mode in ("disk", "computed"):
-                proc = start(ckpt_dir, threads, max_seq_len, directory if mode == "disk" else None)
+                proc = start(ckpt_dir, threads, max_seq_len, directory if mode == "disk" else None, kv_cache_dtype)
                 result = ask(proc, system, question)
                 stop(proc)
                 result.update(mode=mode, repeat=r)
@@ -120,9 +203,11 @@ def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir
             disk, computed = runs[-2], runs[-1]
             if disk["text"] != computed["text"] or disk["cached_tokens"] == 0 or computed["cached_tokens"] != 0:
                 raise SystemExit(f"the runs disagree: {disk} {computed}")
-        for mode in ("disk", "computed"):
+        if llamacpp:
+            runs += run_llama_cpp(repeats, system, threads, max_seq_len, cache_dir)
+        for mode in dict.fromkeys(r["mode"] for r in runs):
             ttfts = [r["ttft"] for r in runs if r["mode"] == mode]
-            print(f"{mode:>8}: median ttft {statistics.median(ttfts) * 1000:.0f} ms "
+            print(f"{mode:>18}: median ttft {statistics.median(ttfts) * 1000:.0f} ms "
                   f"({', '.join(f'{t * 1000:.0f}' for t in ttfts)})")
         if json_file:
             Path(json_file).write_text(json.dumps(runs, indent=2) + "\n")

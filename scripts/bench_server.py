@@ -32,7 +32,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import fire
 import httpx
@@ -131,11 +131,12 @@ def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int, gguf_type: str = "F32
     return out
 
 
-def start_llama_cpp(bin_dir: Path, gguf: Path, threads: int, parallel: int, max_seq_len: int) -> subprocess.Popen:
+def start_llama_cpp(bin_dir: Path, gguf: Path, threads: int, parallel: int, max_seq_len: int,
+                    extra: Sequence[str] = ()) -> subprocess.Popen:
     port = free_port()
     cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(parallel * max_seq_len),
-           "--jinja", "--no-webui"]
+           "--jinja", "--no-webui", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.url = f"http://127.0.0.1:{port}"
     return proc
