@@ -21,7 +21,8 @@ from llama.compile.step import kv_cache_dtype_note
 from llama.errors import LlamaError
 from llama.kernels.build import missing
 from llama.kv_cache import KVCache, load_kv, resolve_kv_cache_dtype, round_kv, store_kv
-from llama.quant.linears import RowExactLinear
+from llama.quant.layer import QuantizedLinear
+from llama.quant.linears import RowExactInt4Linear, RowExactInt8Linear, RowExactLinear
 
 PROMPTS = ["I believe the meaning of life is", "def fibonacci(n):", "A"]
 
@@ -126,6 +127,20 @@ def test_int8_kv_on_float32_weights_gives_the_same_bits_for_each_attention_shape
 
 def test_int8_kv_on_float32_weights_gives_the_same_bits_with_blocks_of_32(wide_ckpt):
     _float32_switch_is_exact(wide_ckpt)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_int8_kv_on_the_weight_only_paths_gives_the_same_bits(wide_ckpt, quantize):
+    """`quant_kernels="exact"` multiplies float32 activations by the widened weights: under an int8 cache on
+    `llama_kv.f32_linear` (RowExactInt8Linear, RowExactInt4Linear), so the switch is exact there too."""
+    if missing() is not None:
+        pytest.skip(f"the kernels cannot be built here: {missing()}")
+    llama = build(wide_ckpt, kv_cache_dtype="int8", quantize=quantize, quant_kernels="exact")
+    assert llama.info.quant_kernels == "exact" and llama.info.layer_plan.row_exact
+    classes = {type(m) for m in llama.model.modules() if isinstance(m, QuantizedLinear)}
+    assert classes <= {RowExactInt8Linear, RowExactInt4Linear}  # int4 keeps its output layer at int8
+    assert (RowExactInt8Linear if quantize == "int8" else RowExactInt4Linear) in classes
+    _switch_is_exact(llama)
 
 
 def test_without_row_exact_products_float32_rounding_would_move_int8_keys():

@@ -33,7 +33,8 @@ from llama.quant.dot_linears import (DotLinear, Int4DotLinear, Int4ZeroPointDotL
 from llama.quant.layer import QuantizedLinear
 from llama.quant.linears import (HAS_INT4_KERNEL, HAS_INT8_KERNEL, INT4_KERNEL_GROUPS, INT4_ROW_BLOCK,
                                  Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
-                                 ReductionLinear, RowExactLinear, RowsLinear)
+                                 ReductionLinear, RowExactInt4Linear, RowExactInt8Linear, RowExactLinear,
+                                 RowsLinear)
 from llama.runtime.pages import return_free_memory, shared_huge_pages
 
 
@@ -67,8 +68,12 @@ LINEAR_CLASSES = (
     LinearClass(Int8KernelLinear, "the same, + the scales in the activations' dtype",
                 "aten._weight_int8pack_mm (float32: at a few rows only)",
                 "per-channel int8 on the CPU with torch's kernel, in bf16, or in float32 eagerly"),
+    LinearClass(RowExactInt8Linear, "the same as Int8Linear", "widening the weight, then llama_kv.f32_linear",
+                "int8 off the integer kernels in float32 on the CPU with llama/kernels loaded, under an int8 KV cache"),
     LinearClass(Int4Linear, "int4, two values a byte, column 2j low", "widening the weight, then F.linear",
                 "int4 where none of the classes below is"),
+    LinearClass(RowExactInt4Linear, "the same as Int4Linear", "widening the weight, then llama_kv.f32_linear",
+                "int4 off the integer kernels in float32 on the CPU with llama/kernels loaded, under an int8 KV cache"),
     LinearClass(Int4HalvesLinear, "int4, a group's first half low, its second high (GGUF's Q4 order)",
                 "widening; compiled, the reduction", "int4 compiled on the CPU, where Int4KernelLinear is not"),
     LinearClass(Int4KernelLinear, "aten's own int4 packing, bf16 scales and zero points",
@@ -151,9 +156,10 @@ def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str
             (`describe_layers`); they are where the projections all become one integer-kernel class that can
             join them, unless `fuse` is False.
         pages: re-packed layers go on 2 MiB pages.
-        exact_float: float32 layers too become row-exact (`RowExactLinear`), with attention, the rotary embedding
-            and the norms: asked where keys and values are rounded to int8, so that a position computed alone
-            and among others rounds them alike.
+        exact_float: float32 layers too become row-exact (`RowExactLinear`, and quantized ones off the integer
+            kernels `RowExactInt8Linear` / `RowExactInt4Linear`), with attention, the rotary embedding and the
+            norms: asked where keys and values are rounded to int8, so that a position computed alone and among
+            others rounds them alike.
     """
     cpu = device == "cpu"
     classes = {name: _layer_class(spec, dtype, cpu, compiled, have, integer, exact_float)
@@ -167,7 +173,8 @@ def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str
         cls = classes[names[0]]
         if all(classes[n] is cls for n in names) and issubclass(cls, DotLinear) and cls.can_join(specs):
             fused[parent] = fused_class
-    row_exact = any(issubclass(cls, (DotLinear, RowExactLinear)) for cls in classes.values())
+    row_exact = any(issubclass(cls, (DotLinear, RowExactLinear, RowExactInt8Linear, RowExactInt4Linear))
+                    for cls in classes.values())
     return LayerPlan(dtype, MappingProxyType(classes), MappingProxyType(fused), row_exact, pages)
 
 
@@ -185,6 +192,8 @@ def _layer_class(spec: LayerSpec, dtype: torch.dtype, cpu: bool, compiled: bool,
             cls = dot_class(spec.method, spec.in_features, spec.group_size, spec.zero_point)
             if cls is not None:
                 return cls
+    if exact_float and cpu and have.ours and dtype == torch.float32:
+        return RowExactInt8Linear if spec.method == "int8" else RowExactInt4Linear
     if spec.method == "int8":
         kernel = cpu and have.int8pack and spec.n_groups == 1
         if kernel and (dtype == torch.bfloat16 or (dtype == torch.float32 and not compiled)):

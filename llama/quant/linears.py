@@ -180,7 +180,7 @@ class Int4Linear(QuantizedLinear):
 
     @classmethod
     def from_layer(cls, layer: "QuantizedLinear", dtype: torch.dtype) -> "Int4Linear":
-        new = Int4Linear(layer.in_features, layer.out_features, layer.group_size)
+        new = cls(layer.in_features, layer.out_features, layer.group_size)
         tensors = layer.format_tensors()
         new.weight, new.scales, new.mins = tensors["weight"], tensors["scales"], tensors["mins"]
         return new
@@ -211,6 +211,21 @@ class Int4Linear(QuantizedLinear):
         time keeps its scratch small."""
         rows = INT4_ROW_BLOCK * max(1, _CHUNK_ELEMENTS // (self.in_features * INT4_ROW_BLOCK))
         return [(start, start + rows) for start in range(0, self.out_features, rows)]
+
+
+class RowExactInt8Linear(Int8Linear):
+    """Int8Linear whose product, eager and compiled alike, is the widened weight on `llama_kv.f32_linear`: the
+    weight-only path (`quant_kernels="exact"`) in float32 under an int8 KV cache, row-exact as RowExactLinear is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llama_kv.f32_linear(x, self.dequantized(x.dtype))
+
+
+class RowExactInt4Linear(Int4Linear):
+    """Int4Linear's RowExactInt8Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.llama_kv.f32_linear(x, self.dequantized(x.dtype))
 
 
 class Int4HalvesLinear(Int4Linear):

@@ -10,7 +10,8 @@ from llama.quant.dot_linears import (Int4DotLinear, Int4ZeroPointDotLinear, Int8
 from llama.quant.fuse import FusedAttention, FusedFeedForward
 from llama.quant.layer_plan import LINEAR_CLASSES, Kernels, LayerSpec, plan_layers
 from llama.quant.linears import (Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
-                                 ReductionLinear, RowExactLinear, RowsLinear)
+                                 ReductionLinear, RowExactInt4Linear, RowExactInt8Linear, RowExactLinear,
+                                 RowsLinear)
 
 ALL = Kernels(ours=True, int8pack=True, int4pack=True)
 FLOAT = LayerSpec(64, 64)
@@ -32,8 +33,9 @@ def test_float_layers_take_the_reductions_only_compiled_on_the_cpu():
 
 
 def test_float32_layers_become_row_exact_where_asked_and_the_kernels_can():
-    """exact_float (an int8 KV cache): float32 CPU layers on f32_linear at every row count, eager or compiled, and
-    attention, the rotary embedding and the norms with them; not in bf16, on a GPU, or without the kernels."""
+    """exact_float (an int8 KV cache): float32 CPU layers on f32_linear at every row count, eager or compiled
+    (quantized ones off the integer kernels too, widened), and attention, the rotary embedding and the norms with
+    them; not in bf16, on a GPU, or without the kernels."""
     for compiled in (False, True):
         assert one(FLOAT, compiled=compiled, exact_float=True) is RowExactLinear
         assert plan_layers({"w": FLOAT}, torch.float32, "cpu", compiled, ALL, exact_float=True).row_exact
@@ -42,8 +44,12 @@ def test_float32_layers_become_row_exact_where_asked_and_the_kernels_can():
     assert one(FLOAT, have=Kernels(), exact_float=True) is nn.Linear
     assert not plan_layers({"w": FLOAT}, torch.float32, "cpu", False, Kernels(), exact_float=True).row_exact
     assert one(LayerSpec(64, 64, row_major=False), exact_float=True) is nn.Linear
-    for integer in (None, False, True):  # quantized layers: the class they would have without it
-        assert one(INT8, integer=integer, exact_float=True) is one(INT8, integer=integer)
+    assert one(INT8, integer=True, exact_float=True) is Int8DotLinear  # the integer kernels are row-exact already
+    for integer in (None, False):  # off them: the widened weight on f32_linear
+        assert one(INT8, integer=integer, exact_float=True) is RowExactInt8Linear
+        assert one(INT4, integer=integer, exact_float=True) is RowExactInt4Linear
+        assert plan_layers({"w": INT4}, torch.float32, "cpu", False, ALL, integer, exact_float=True).row_exact
+    assert one(INT8, torch.bfloat16, integer=False, exact_float=True) is one(INT8, torch.bfloat16, integer=False)
 
 
 def test_int8_on_torchs_kernel_the_widening_path_or_the_integer_kernels():
