@@ -82,30 +82,38 @@ def stop(proc: subprocess.Popen) -> None:
         raise SystemExit(f"the server exited with status {proc.returncode}")
 
 
-def ask(proc: subprocess.Popen, system: str, question: str, max_tokens: int = 8) -> Dict:
-    """One streamed greedy chat request: its time to first content, text and usage."""
-    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
-            "max_tokens": max_tokens, "messages": [{"role": "system", "content": system},
-                                                   {"role": "user", "content": question}]}
-    start_time, first, text, usage = time.perf_counter(), None, "", None
-    with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=600) as r:
+def stream_chat(url: str, body: Dict) -> Dict:
+    """One streamed chat request: the time its first content arrived (perf_counter), its text, and the last usage
+    and timings (llama.cpp's) its chunks carried."""
+    first, text, usage, timings = None, "", None, None
+    with httpx.stream("POST", url + "/v1/chat/completions", json={"stream": True, **body}, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             payload = json.loads(line[6:])
             usage = payload.get("usage") or usage
+            timings = payload.get("timings") or timings
             for choice in payload.get("choices") or []:
                 content = (choice.get("delta") or {}).get("content")
                 if content:
                     first = first or time.perf_counter()
                     text += content
-    return {"ttft": (first or time.perf_counter()) - start_time, "text": text,
-            "prompt_tokens": usage["prompt_tokens"], "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
+    return {"first": first or time.perf_counter(), "text": text, "usage": usage, "timings": timings}
 
 
 def messages(system: str, question: str) -> List[Dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def ask(proc: subprocess.Popen, system: str, question: str, max_tokens: int = 8) -> Dict:
+    """One streamed greedy chat request: its time to first content, text and usage."""
+    start_time = time.perf_counter()
+    got = stream_chat(proc.url, {"model": "m", "stream_options": {"include_usage": True}, "temperature": 0,
+                                 "max_tokens": max_tokens, "messages": messages(system, question)})
+    usage = got["usage"]
+    return {"ttft": got["first"] - start_time, "text": got["text"], "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
 def ask_llama_cpp(proc: subprocess.Popen, system: str, question: str, max_tokens: int = 8,
@@ -116,25 +124,11 @@ def ask_llama_cpp(proc: subprocess.Popen, system: str, question: str, max_tokens
     if restore is not None:
         r = httpx.post(proc.url + "/slots/0?action=restore", json={"filename": restore}, timeout=600)
         r.raise_for_status()
-    body = {"model": "m", "stream": True, "temperature": 0, "max_tokens": max_tokens, "id_slot": 0,
-            "cache_prompt": True, "messages": messages(system, question)}
-    first, text, timings, prompt_tokens = None, "", None, None
-    with httpx.stream("POST", proc.url + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            payload = json.loads(line[6:])
-            timings = payload.get("timings") or timings
-            prompt_tokens = (payload.get("usage") or {}).get("prompt_tokens", prompt_tokens)
-            for choice in payload.get("choices") or []:
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    first = first or time.perf_counter()
-                    text += content
-    evaluated = timings["prompt_n"]
-    total = prompt_tokens if prompt_tokens is not None else evaluated + timings.get("cache_n", 0)
-    return {"ttft": (first or time.perf_counter()) - start_time, "text": text, "prompt_tokens": total,
+    got = stream_chat(proc.url, {"model": "m", "temperature": 0, "max_tokens": max_tokens, "id_slot": 0,
+                                 "cache_prompt": True, "messages": messages(system, question)})
+    evaluated = got["timings"]["prompt_n"]
+    total = (got["usage"] or {}).get("prompt_tokens", evaluated + got["timings"].get("cache_n", 0))
+    return {"ttft": got["first"] - start_time, "text": got["text"], "prompt_tokens": total,
             "cached_tokens": total - evaluated}
 
 

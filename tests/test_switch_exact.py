@@ -34,9 +34,9 @@ PATH_PROMPTS, PATH_TOKENS = PROMPTS[:4], 32
 FLOAT32_BOUND = 1e-4  # largest |cached - uncached| log-probability seen over these prompts: 1.4e-5
 
 
-def _build(quantize):
+def _build(quantize, kv_cache_dtype=None):
     llama = Llama.build(default_model_dir(), max_seq_len=128, max_batch_size=len(PROMPTS), device="cpu", dtype="float32",
-                        quantize=quantize, compile="auto")
+                        quantize=quantize, compile="auto", kv_cache_dtype=kv_cache_dtype)
     assert llama.compiled_step is not None
     llama.compiled_step.wait()  # a first run builds it in the background; the test is of the stored step
     assert llama.compiled_step.describe_origin().startswith("ahead of time, "), llama.compiled_step.describe_origin()
@@ -54,38 +54,35 @@ def _greedy(llama: Llama, ids, kv_cache: bool, n: int = TOKENS):
     return tokens, torch.tensor(logprobs, dtype=torch.float64)
 
 
-def test_cache_on_and_off_give_the_same_answer_in_the_default_mode(llama):
-    """Each prompt alone with the cache (the batch-1 stored step), against all eight in one uncached batch: a row's
-    answer does not depend on the rows beside it either."""
-    integer = llama.info.quant_kernels == "integer"
-    assert integer == (llama.info.quantization is not None)  # the quantized models run on the integer kernels
+def _each_alone_against_one_uncached_batch(llama: Llama, bound: float = 0.0):
+    """Each prompt alone with the cache (the batch-1 stored step) against all eight in one uncached batch: the same
+    tokens, log-probabilities within `bound` (0: the same bits)."""
     ids = [llama.tokenizer.encode(prompt, bos=True, eos=False) for prompt in PROMPTS]
     batch, batch_lp = llama.generate(ids, TOKENS, temperature=0, logprobs=True, ignore_stop=True, kv_cache=False)
     for prompt, row, uncached, lp_uncached in zip(PROMPTS, ids, batch, batch_lp):
         cached, lp_cached = _greedy(llama, row, kv_cache=True)
         lp_uncached = torch.tensor(lp_uncached, dtype=torch.float64)
         assert cached == uncached, prompt
-        if integer:
+        if bound == 0.0:
             assert torch.equal(lp_cached, lp_uncached), (prompt, (lp_cached - lp_uncached).abs().max().item())
         else:
-            assert (lp_cached - lp_uncached).abs().max().item() <= FLOAT32_BOUND, prompt
+            assert (lp_cached - lp_uncached).abs().max().item() <= bound, prompt
+
+
+def test_cache_on_and_off_give_the_same_answer_in_the_default_mode(llama):
+    """A row's answer does not depend on the cache, nor on the rows beside it."""
+    integer = llama.info.quant_kernels == "integer"
+    assert integer == (llama.info.quantization is not None)  # the quantized models run on the integer kernels
+    _each_alone_against_one_uncached_batch(llama, 0.0 if integer else FLOAT32_BOUND)
 
 
 def test_an_int8_kv_cache_keeps_the_switch_exact_on_float32_weights():
     """`--kv-cache-dtype int8` on the default model's float32 weights, in the default mode: every product row-exact
     (RowExactLinear, llama/quant/linears.py), so cached and uncached give the same tokens and log-probabilities bit
-    for bit, each prompt alone against all eight in one uncached batch."""
-    llama = Llama.build(default_model_dir(), max_seq_len=128, max_batch_size=len(PROMPTS), device="cpu",
-                        dtype="float32", kv_cache_dtype="int8", compile="auto")
-    assert llama.info.layer_plan.row_exact and llama.compiled_step is not None
-    llama.compiled_step.wait()
-    ids = [llama.tokenizer.encode(prompt, bos=True, eos=False) for prompt in PROMPTS]
-    batch, batch_lp = llama.generate(ids, TOKENS, temperature=0, logprobs=True, ignore_stop=True, kv_cache=False)
-    for prompt, row, uncached, lp_uncached in zip(PROMPTS, ids, batch, batch_lp):
-        cached, lp_cached = _greedy(llama, row, kv_cache=True)
-        lp_uncached = torch.tensor(lp_uncached, dtype=torch.float64)
-        assert cached == uncached, prompt
-        assert torch.equal(lp_cached, lp_uncached), (prompt, (lp_cached - lp_uncached).abs().max().item())
+    for bit."""
+    llama = _build(None, kv_cache_dtype="int8")
+    assert llama.info.layer_plan.row_exact
+    _each_alone_against_one_uncached_batch(llama)
 
 
 @pytest.fixture(scope="module")
