@@ -24,7 +24,7 @@ from llama.runtime.pages import release_pages, return_free_memory
 from llama.runtime.progress import Progress, or_silent
 from llama.quant.embedding import swap_embedding
 from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, Plan, is_linear_weight, quantized_shapes
-from llama.quant.layer_plan import Kernels, LayerPlan, apply_layer_plan, describe_layers, plan_layers
+from llama.quant.layer_plan import Kernels, LayerPlan, apply_layer_plan, describe_layers, exact_floats, plan_layers
 from llama.quant.quantize import check_method, describe_plan, layer_method, plan_for, quantize_weight, swap_linears
 from llama.nn.sharding import split_dim
 
@@ -168,7 +168,7 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
         exact_float: float32 layers row-exact too (`plan_layers`), their weights row-major.
     """
     have = have or Kernels.here()
-    exact_float = exact_float and have.ours and dtype == torch.float32 and device.type == "cpu"
+    exact_float = exact_floats(exact_float, dtype, device.type == "cpu", have)
     input_major = device.type == "cpu" and not compiled and not exact_float
     progress = or_silent(progress)
     full_shapes = expected_shapes(args)

@@ -34,7 +34,7 @@ from llama.quant.layer import QuantizedLinear
 from llama.quant.linears import (HAS_INT4_KERNEL, HAS_INT8_KERNEL, INT4_KERNEL_GROUPS, INT4_ROW_BLOCK,
                                  Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
                                  ReductionLinear, RowExactInt4Linear, RowExactInt8Linear, RowExactLinear,
-                                 RowsLinear)
+                                 RowExactWidening, RowsLinear)
 from llama.runtime.pages import return_free_memory, shared_huge_pages
 
 
@@ -173,16 +173,22 @@ def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str
         cls = classes[names[0]]
         if all(classes[n] is cls for n in names) and issubclass(cls, DotLinear) and cls.can_join(specs):
             fused[parent] = fused_class
-    row_exact = any(issubclass(cls, (DotLinear, RowExactLinear, RowExactInt8Linear, RowExactInt4Linear))
-                    for cls in classes.values())
+    row_exact = any(issubclass(cls, (DotLinear, RowExactLinear, RowExactWidening)) for cls in classes.values())
     return LayerPlan(dtype, MappingProxyType(classes), MappingProxyType(fused), row_exact, pages)
+
+
+def exact_floats(exact_float: bool, dtype: torch.dtype, cpu: bool, have: Kernels) -> bool:
+    """Whether `exact_float` can be had: float32 on the CPU with llama/kernels loaded (`llama_kv.f32_linear`). The
+    loader asks it too, to keep such weights row-major."""
+    return exact_float and cpu and have.ours and dtype == torch.float32
 
 
 def _layer_class(spec: LayerSpec, dtype: torch.dtype, cpu: bool, compiled: bool, have: Kernels,
                  integer: Optional[bool], exact_float: bool = False) -> type:
     """One layer's class: `LINEAR_CLASSES`' "chosen" column, in code."""
+    exact_float = exact_floats(exact_float, dtype, cpu, have)
     if not spec.method:
-        if exact_float and cpu and have.ours and dtype == torch.float32 and spec.row_major:
+        if exact_float and spec.row_major:
             return RowExactLinear
         if not (cpu and compiled):
             return nn.Linear
@@ -192,7 +198,7 @@ def _layer_class(spec: LayerSpec, dtype: torch.dtype, cpu: bool, compiled: bool,
             cls = dot_class(spec.method, spec.in_features, spec.group_size, spec.zero_point)
             if cls is not None:
                 return cls
-    if exact_float and cpu and have.ours and dtype == torch.float32:
+    if exact_float:
         return RowExactInt8Linear if spec.method == "int8" else RowExactInt4Linear
     if spec.method == "int8":
         kernel = cpu and have.int8pack and spec.n_groups == 1
@@ -269,8 +275,9 @@ def apply_layer_plan(model: nn.Module, plan: LayerPlan) -> nn.Module:
                 # Hand the old layers' freed heap memory back now: the integer kernels' new ones live in mappings
                 # of their own (2 MiB pages, llama/runtime/pages.py), which would not reuse it.
                 return_free_memory()
-    # Row-exact where the integer kernels run, whose rounding would amplify any difference between a position
-    # computed alone and among others, or compiled and eager; torch's own ops otherwise.
+    # Row-exact where the integer kernels run, or keys and values are rounded to int8 (`exact_float`): either
+    # rounding would amplify any difference between a position computed alone and among others, or compiled and
+    # eager; torch's own ops otherwise.
     swaps = {ScaledDotProductAttention: RowExactAttention, Rotary: RowExactRotary, RMSNorm: RowExactRMSNorm}
     for module in model.modules():
         for plain, row_exact in swaps.items():

@@ -213,19 +213,20 @@ class Int4Linear(QuantizedLinear):
         return [(start, start + rows) for start in range(0, self.out_features, rows)]
 
 
-class RowExactInt8Linear(Int8Linear):
-    """Int8Linear whose product, eager and compiled alike, is the widened weight on `llama_kv.f32_linear`: the
+class RowExactWidening:
+    """A quantized class's product, eager and compiled alike, as the widened weight on `llama_kv.f32_linear`: the
     weight-only path (`quant_kernels="exact"`) in float32 under an int8 KV cache, row-exact as RowExactLinear is."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.llama_kv.f32_linear(x, self.dequantized(x.dtype))
 
 
-class RowExactInt4Linear(Int4Linear):
-    """Int4Linear's RowExactInt8Linear."""
+class RowExactInt8Linear(RowExactWidening, Int8Linear):
+    """Int8Linear, multiplied as RowExactWidening says."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.llama_kv.f32_linear(x, self.dequantized(x.dtype))
+
+class RowExactInt4Linear(RowExactWidening, Int4Linear):
+    """Int4Linear, multiplied as RowExactWidening says."""
 
 
 class Int4HalvesLinear(Int4Linear):
