@@ -15,8 +15,9 @@ OMP_NUM_THREADS=--threads: prompts are fed eagerly either way, and the stored de
 first build to the first start. --kv-cache-dtype is both servers' (int8: a quarter of the bytes on disk).
 
 With --llamacpp, llama.cpp's server does the same on the same weights (an F32 GGUF of the default model, its KV
-cache in its default f16), its way: `--slot-save-path`, the warm request's slot saved to a file
-(`POST /slots/0?action=save`), and on each fresh server that file restored (`?action=restore`) before the request.
+cache in its default f16), each repeat right after ours, its way: `--slot-save-path`, the warm request's slot
+saved to a file (`POST /slots/0?action=save`), and on each fresh server that file restored (`?action=restore`)
+before the request.
 Its time to first token counts the restore too; its "cached" tokens are those its timings say it did not
 evaluate (prompt tokens - `prompt_n`). llama.cpp is built once from the llama-cpp-python sdist (bench_server.py's
 build_llama_cpp, in --cache-dir).
@@ -132,48 +133,57 @@ def ask_llama_cpp(proc: subprocess.Popen, system: str, question: str, max_tokens
             "cached_tokens": total - evaluated}
 
 
-def run_llama_cpp(repeats: int, system: str, threads: int, max_seq_len: int, cache_dir: Optional[str]) -> List[Dict]:
-    """llama.cpp's slot save and restore, as the module docstring says; the runs, as main's."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_server import build_llama_cpp, f32_gguf, start_llama_cpp, wait_ready
+class LlamaCppSlots:
+    """llama.cpp's slot save and restore, as the module docstring says: the slot saved once at construction, then
+    each `repeat` a restored and a computed run on fresh servers."""
 
-    cache = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-kv-bench-server")
-    bin_dir = build_llama_cpp(cache, threads)
-    gguf = f32_gguf(bin_dir, cache, threads)
-    slots = Path(tempfile.mkdtemp(prefix="bench-disk-cache-slots-"))
-    runs: List[Dict] = []
-    try:
-        def fresh(save: bool) -> subprocess.Popen:
-            proc = start_llama_cpp(bin_dir, gguf, threads, 1, max_seq_len, ["--slot-save-path", str(slots)] if save else [])
-            wait_ready(proc.url, proc)
-            return proc
+    def __init__(self, system: str, threads: int, max_seq_len: int, cache_dir: Optional[str]):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_server import build_llama_cpp, f32_gguf
 
-        proc = fresh(True)
+        cache = Path(cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                     / "llama-kv-bench-server")
+        self.bin_dir = build_llama_cpp(cache, threads)
+        self.gguf = f32_gguf(self.bin_dir, cache, threads)
+        self.system, self.threads, self.max_seq_len = system, threads, max_seq_len
+        self.slots = Path(tempfile.mkdtemp(prefix="bench-disk-cache-slots-"))
+        proc = self.fresh()
         ask_llama_cpp(proc, system, "Where is the library?", max_tokens=1)
         httpx.post(proc.url + "/slots/0?action=save", json={"filename": "system.bin"}, timeout=600).raise_for_status()
         stop(proc)
-        print(f"llama.cpp slot file: {(slots / 'system.bin').stat().st_size / 2**20:.1f} MiB", flush=True)
-        for r in range(repeats):
-            question = QUESTIONS[r % len(QUESTIONS)]
-            for mode in ("restored", "computed"):
-                proc = fresh(True)
-                result = ask_llama_cpp(proc, system, question, restore="system.bin" if mode == "restored" else None)
-                stop(proc)
-                result.update(mode=f"llama.cpp {mode}", repeat=r)
-                runs.append(result)
-                print(f"llama.cpp {mode:>8}: ttft {result['ttft'] * 1000:8.0f} ms, {result['cached_tokens']} of "
-                      f"{result['prompt_tokens']} prompt tokens not evaluated", flush=True)
-            if runs[-2]["text"] != runs[-1]["text"]:
-                print(f"llama.cpp's restored and computed answers differ: {runs[-2]['text']!r} {runs[-1]['text']!r}")
-    finally:
-        shutil.rmtree(slots, ignore_errors=True)
-    return runs
+        print(f"llama.cpp slot file: {(self.slots / 'system.bin').stat().st_size / 2**20:.1f} MiB", flush=True)
+
+    def fresh(self) -> subprocess.Popen:
+        from bench_server import start_llama_cpp, wait_ready
+
+        proc = start_llama_cpp(self.bin_dir, self.gguf, self.threads, 1, self.max_seq_len,
+                               ["--slot-save-path", str(self.slots)])
+        wait_ready(proc.url, proc)
+        return proc
+
+    def repeat(self, r: int, question: str) -> List[Dict]:
+        runs = []
+        for mode in ("restored", "computed"):
+            proc = self.fresh()
+            result = ask_llama_cpp(proc, self.system, question, restore="system.bin" if mode == "restored" else None)
+            stop(proc)
+            result.update(mode=f"llama.cpp {mode}", repeat=r)
+            runs.append(result)
+            print(f"llama.cpp {mode:>8}: ttft {result['ttft'] * 1000:8.0f} ms, {result['cached_tokens']} of "
+                  f"{result['prompt_tokens']} prompt tokens not evaluated", flush=True)
+        if runs[0]["text"] != runs[1]["text"]:
+            print(f"llama.cpp's restored and computed answers differ: {runs[0]['text']!r} {runs[1]['text']!r}")
+        return runs
+
+    def close(self) -> None:
+        shutil.rmtree(self.slots, ignore_errors=True)
 
 
 def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir: str = None, json_file: str = None,
          llamacpp: bool = False, cache_dir: str = None, kv_cache_dtype: str = "auto"):
     """Measure time to first token with the system prompt loaded from disk and computed; see the module docstring."""
     directory = Path(tempfile.mkdtemp(prefix="bench-disk-cache-"))
+    llama_cpp = None
     try:
         system = PARAGRAPH * max(1, round(system_tokens / 46))  # 46 tokens a paragraph for the default model
         max_seq_len = 2 * system_tokens + 256
@@ -183,6 +193,7 @@ def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir
         files = list(directory.glob("*.kvblock"))
         print(f"system prompt: {warm['prompt_tokens']} prompt tokens; {len(files)} block files, "
               f"{sum(f.stat().st_size for f in files) / 2**20:.1f} MiB on disk", flush=True)
+        llama_cpp = LlamaCppSlots(system, threads, max_seq_len, cache_dir) if llamacpp else None
         runs: List[Dict] = []
         for r in range(repeats):
             question = QUESTIONS[r % len(QUESTIONS)]
@@ -197,8 +208,8 @@ def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir
             disk, computed = runs[-2], runs[-1]
             if disk["text"] != computed["text"] or disk["cached_tokens"] == 0 or computed["cached_tokens"] != 0:
                 raise SystemExit(f"the runs disagree: {disk} {computed}")
-        if llamacpp:
-            runs += run_llama_cpp(repeats, system, threads, max_seq_len, cache_dir)
+            if llama_cpp is not None:  # interleaved with ours, repeat by repeat
+                runs += llama_cpp.repeat(r, question)
         for mode in dict.fromkeys(r["mode"] for r in runs):
             ttfts = [r["ttft"] for r in runs if r["mode"] == mode]
             print(f"{mode:>18}: median ttft {statistics.median(ttfts) * 1000:.0f} ms "
@@ -207,6 +218,8 @@ def main(repeats: int = 3, system_tokens: int = 2000, threads: int = 2, ckpt_dir
             Path(json_file).write_text(json.dumps(runs, indent=2) + "\n")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+        if llama_cpp is not None:
+            llama_cpp.close()
 
 
 if __name__ == "__main__":
