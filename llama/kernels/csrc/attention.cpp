@@ -461,12 +461,15 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   avx2 = kernel_path() >= kAvx2;
 #endif
   // Work items are tiles of rows of one (b, h). How rows are grouped changes no bit, so it is chosen for speed:
-  // kRowTile rows where there are enough (a prompt), single rows where tiles would leave threads idle (a decode
-  // step's few rows). Within a (b, h) tiles are taken from both ends in turn, so that a thread's contiguous share
-  // of a causal mask's triangle holds short and long rows alike.
-  const int64_t BH = q.size(0) * a.H;
-  // int8 rows: whole tiles even for a decode step's few rows, so a key block is dequantized once for all of them.
-  const int64_t rows_wanted = std::is_same<KV, int8_t>::value ? a.Nq : BH * a.Nq / (4 * at::get_num_threads());
+  // kRowTile rows where there are enough (a prompt), and a decode step's few rows of one (b, h) in one tile, so that
+  // each key block is read from memory (and an int8 one dequantized) once for all of them, not once a row: at
+  // 2,048 keys that step ran 1.12x faster so on an AVX-512 EPYC, even with 3 tiles for 2 threads. Only where there
+  // are fewer (b, h) than threads are rows split up further, so that no thread idles. Within a (b, h) tiles are
+  // taken from both ends in turn, so that a thread's contiguous share of a causal mask's triangle holds short and
+  // long rows alike.
+  const int64_t BH = q.size(0) * a.H, threads = at::get_num_threads();
+  const bool whole = std::is_same<KV, int8_t>::value || BH >= threads;
+  const int64_t rows_wanted = whole ? a.Nq : BH * a.Nq / (4 * threads);
   const int64_t R = avx2 ? std::clamp<int64_t>(rows_wanted, 1, kRowTile) : 1;
   const int64_t tiles = (a.Nq + R - 1) / R;
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, R * a.Nk * a.D));
