@@ -14,7 +14,8 @@ llama.cpp: its llama-bench, built once into --cache_dir from the llama-cpp-pytho
 (scripts/bench_server.py's `build_llama_cpp`, cmake and a C++ compiler needed), on GGUFs its own llama-quantize
 makes from the shipped Q4_1 file (F32, Q8_0 and Q4_0 for none, int8 and int4): `-p N -n 0` and
 `-p 0 -n 128 -d N`, each with flash attention off and on (`-fa 0,1`), the faster counted. --ik_llama_bench names
-ik_llama.cpp's llama-bench, run alike with `-rtr 1` (weights repacked at load). Each runner's repeats are its
+ik_llama.cpp's llama-bench (built from github.com/ikawrakow/ik_llama.cpp with cmake), run alike with `-rtr 1`
+(weights repacked at load) and, as its llama-bench has no `-d`, `-gp N,128` for decode after N. Each runner's repeats are its
 own (llama-bench's `-r`); ours alternate with llama.cpp's per --quantize. Medians, tokens/s.
 """
 
@@ -65,17 +66,23 @@ def ours(quantize: str, prompts: List[int], contexts: List[int], new_tokens: int
 
 
 def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int], new_tokens: int, threads: int,
-                repeats: int, extra: List[str]) -> Dict[str, float]:
-    """{"pp N": tokens/s, "tg N": tokens/s} from a llama-bench, the faster of flash attention off and on."""
+                repeats: int, extra: List[str], depth_flag: bool = True) -> Dict[str, float]:
+    """{"pp N": tokens/s, "tg N": tokens/s} from a llama-bench, the faster of flash attention off and on.
+
+    Decode after a context of N: llama.cpp's `-d N` (`depth_flag`), or where a llama-bench has no `-d`
+    (ik_llama.cpp's), its `-gp N,new_tokens`: the same test, new_tokens timed after an untimed prompt of N."""
     common = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-fa", "0,1", "-o", "json", *extra]
-    runs = [["-p", ",".join(map(str, prompts)), "-n", "0"],
-            ["-p", "0", "-n", str(new_tokens), "-d", ",".join(map(str, contexts))]]
+    if depth_flag:
+        decode = ["-p", "0", "-n", str(new_tokens), "-d", ",".join(map(str, contexts))]
+    else:
+        decode = ["-p", "0", "-n", str(new_tokens if 0 in contexts else 0)]
+        decode += [arg for n in contexts if n for arg in ("-gp", f"{n},{new_tokens}")]
     rates: Dict[str, float] = {}
-    for args in runs:
+    for args in (["-p", ",".join(map(str, prompts)), "-n", "0"], decode):
         result = subprocess.run(common + args, capture_output=True, text=True, check=True)
         for test in json.loads(result.stdout):
-            if test["n_gen"]:
-                key = f"tg {test.get('n_depth', 0)}"
+            if test["n_gen"]:  # -d N records n_depth; -gp N,n records the context as n_prompt
+                key = f"tg {test.get('n_depth', test['n_prompt'])}"
             else:
                 key = f"pp {test['n_prompt']}"
             rates[key] = max(rates.get(key, 0.0), float(test["avg_ts"]))
@@ -103,7 +110,8 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
                 bin_dir / "llama-bench", gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])
         if ik_llama_bench:
             runners[f"ik_llama.cpp {GGUF_TYPES[q]}"] = lambda gguf=gguf: llama_bench(
-                Path(ik_llama_bench), gguf, prompt_counts, context_counts, new_tokens, threads, repeats, ["-rtr", "1"])
+                Path(ik_llama_bench), gguf, prompt_counts, context_counts, new_tokens, threads, repeats, ["-rtr", "1"],
+                depth_flag=False)
         for name, run in runners.items():
             rates = run()
             print(f"{name:>24}" + "".join(f"{rates[k]:>10.1f}" if k in rates else f"{'-':>10}" for k in keys), flush=True)
