@@ -65,15 +65,22 @@ def test_two_shards_on_one_process_are_merged(checkpoints, prompts_file, single_
     assert_same(generate(checkpoints[2], prompts_file, nproc=1, kv_cache=kv_cache), single_process)
 
 
-@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])
-def test_int8_keys_and_values_on_two_processes_match_one_process(checkpoints, prompts_file, kv_cache):
+def test_int8_keys_and_values_on_two_processes_match_one_process(checkpoints, prompts_file):
     """Each rank quantizes its own heads' keys and values (blocks lie along a head, never across heads), so two
-    ranks give one process's int8-KV tokens and logprobs, and the cache switch changes nothing on either."""
+    ranks give one process's int8-KV tokens, and the cache switch changes no bit on two ranks as on one. The
+    logprobs agree within 1e-3, not float32's 1e-5: two ranks sum a row-parallel layer's halves across processes,
+    in another order than one process's product, and a key moved so by one float32 rounding now and then lands
+    on the other side of an int8 step (4.3e-5 apart on an AVX-512 EPYC)."""
     int8 = lambda ckpt, nproc, kv: generate_json(  # noqa: E731
         ckpt, "--prompts-file", prompts_file, "--echo", "--kv-cache-dtype", "int8", *([] if kv else ["--no-kv-cache"]),
         nproc=nproc, max_gen_len=16)
     alone = int8(checkpoints[1], 1, True)
-    assert_same(int8(checkpoints[2], 2, kv_cache), alone)
+    cached, uncached = int8(checkpoints[2], 2, True), int8(checkpoints[2], 2, False)
+    assert [(r["tokens"], r["logprobs"]) for r in cached] == [(r["tokens"], r["logprobs"]) for r in uncached]
+    assert len(cached) == len(alone) == len(PROMPTS)  # only rank 0 printed
+    for x, y in zip(cached, alone):
+        assert x["tokens"] == y["tokens"] and x["text"] == y["text"]
+        assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"])) < 1e-3
 
 
 def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, prompts_file):
