@@ -463,7 +463,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   // Work items are tiles of rows of one (b, h). How rows are grouped changes no bit, so it is chosen for speed:
   // kRowTile rows where there are enough (a prompt), and a decode step's few rows of one (b, h) in one tile, so that
   // each key block is read from memory (and an int8 one dequantized) once for all of them, not once a row: at
-  // 2,048 keys that step ran 1.12x faster so on an AVX-512 EPYC, even with 3 tiles for 2 threads. Only where there
+  // 2,048 keys that step ran 1.12x faster this way on an AVX-512 EPYC, even with 3 tiles for 2 threads. Only where there
   // are fewer (b, h) than threads are rows split up further, so that no thread idles. Within a (b, h) tiles are
   // taken from both ends in turn, so that a thread's contiguous share of a causal mask's triangle holds short and
   // long rows alike.
