@@ -152,7 +152,12 @@ class Runner:
         compiled = self.compiled is not None and n == 1 and not all_logits
         # A compiled step would specialise on a table one block wide: pad to two (the padding is masked).
         width = max([len(row.blocks) for row in rows] + [2 if compiled else 1])
-        tables = torch.tensor([row.blocks + [row.blocks[0]] * (width - len(row.blocks)) for row in rows], device=self.device)
+        if not compiled:
+            # Only the blocks up to the rows' last position: a prompt's chunk holds the whole prompt's blocks, and
+            # attending over the columns the mask hides would cost as much as over those it shows.
+            width = min(width, -(-max(row.start + n for row in rows) // self.cache.block_size))
+        tables = torch.tensor([(row.blocks + [row.blocks[0]] * (width - len(row.blocks)))[:width] for row in rows],
+                              device=self.device)
         tokens = torch.tensor([row.tokens for row in rows], device=self.device)
         input_pos = torch.tensor([[row.start + k for k in range(n)] for row in rows], device=self.device)
         if compiled and isinstance(self.compiled, PagedStep):

@@ -14,7 +14,7 @@ from helpers import build, make_engine, prompts, run_jobs, solo, write_tiny
 from llama.compile.aot import PagedStep
 from llama.generation import Llama
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs
-from llama.server.runner import Runner
+from llama.server.runner import Row, Runner
 from llama.server.scheduler import Scheduler
 
 MAX_SEQ_LEN = 128
@@ -163,6 +163,18 @@ def _serve_compiled(gqa_ckpt, stored):
     # Compiled before serving: no batch size or cache length met while serving compiled anything again.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     engine.drain(5)
+
+
+def test_a_prompt_chunk_reads_only_the_blocks_up_to_its_last_position(llama, monkeypatch):
+    """A prompt holds all its blocks from the step it is admitted; a chunk of it attends over the blocks up to its
+    own positions, not over every block of the prompt (the later ones hidden by the mask, but computed)."""
+    runner = Runner(llama.model, 64, 4)
+    widths, for_step = [], runner.cache.for_step
+    monkeypatch.setattr(runner.cache, "for_step", lambda tables, pos: widths.append(tables.shape[1]) or for_step(tables, pos))
+    tokens = list(range(5, 45))
+    for start in (0, 8, 16, 30):
+        runner.step([], [Row(tokens[start : start + 8], start, list(range(10)))])  # 10 blocks of 4: the whole prompt
+    assert widths == [2, 4, 6, 10]
 
 
 def test_quantized_weights_serve_what_they_generate(gqa_ckpt):
