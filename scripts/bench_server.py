@@ -2,6 +2,7 @@
 
     python scripts/bench_server.py [--clients 1,4,8,16] [--requests 4] [--threads 2] [--parallel 16]
         [--eager] [--ours-only] [--cache-dir DIR] [--json-file FILE]
+    python scripts/bench_server.py --long-prompt 2000 [--clients 8] [--requests 2] [--streams 4] ...
 
 Each client sends --requests chat requests one after another, streamed: a system prompt shared with other
 clients (one of three) and a question of mixed length (short, medium, long), asking for a mixed number of
@@ -19,6 +20,15 @@ distribution (the version llama-download pins; cmake and a C++ compiler needed; 
 repository), and runs an F32 GGUF that its own llama-quantize makes from the shipped Q4_1 file: exactly
 the dequantized values our checkpoint holds. Same threads, same --parallel slots, a context of
 --max-seq-len per slot, each server with its own defaults otherwise, in the same run, one server at a time.
+
+With --long-prompt N the rounds are long prompts instead. First, each of --clients clients sends --requests
+requests one after another whose user message is N tokens of text of its own (no two prompts share more than
+the chat template's first tokens, so neither server's prompt cache helps), asking for 16 tokens; it reports
+TTFT p50 and p99 over them. Second, --streams clients stream long replies to short questions, and once each
+has its first token one more client sends an N-token prompt: it reports that prompt's TTFT and the streams'
+time per token while it is read (the gaps between their tokens inside the window from sending it to its first
+token; p50 and the longest), against the same streams' gaps before it was sent. Each slot's context is then
+at least N + 512 tokens.
 """
 
 import asyncio
@@ -170,6 +180,107 @@ async def one_request(client: httpx.AsyncClient, url: str, k: int) -> Dict[str, 
             "tpot": (last - first) / (tokens - 1) if first and tokens > 1 else 0.0, "tokens": tokens}
 
 
+def long_prompts(count: int, tokens: int) -> List[str]:
+    """`count` texts of `tokens` tokens each (as the default model's tokenizer reads them alone), no two alike
+    from their first word: numbered sentences of words drawn with a seed of their own."""
+    import random
+
+    from llama.convert.fetch import default_model_dir
+    from llama.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(str(default_model_dir() / "tokenizer.json"))
+    words = " ".join(SYSTEMS + QUESTIONS).replace(",", "").replace(".", "").replace("?", "").split()
+    texts = []
+    for k in range(count):
+        rng = random.Random(k)
+        sentences = [f"Note {k}-{i}: " + " ".join(rng.choice(words) for _ in range(12)) + "." for i in range(tokens // 8)]
+        texts.append(tokenizer.decode(tokenizer.encode(" ".join(sentences), bos=False, eos=False)[:tokens]))
+    return texts
+
+
+async def stream_times(client: httpx.AsyncClient, url: str, question: str, max_tokens: int) -> Dict[str, object]:
+    """One streamed chat request for `question`: when it was sent, when each piece of content arrived, and the
+    usage it reported."""
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+            "ignore_eos": True, "max_tokens": max_tokens, "messages": [{"role": "user", "content": question}]}
+    sent, times, usage = time.perf_counter(), [], {}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            usage = payload.get("usage") or usage
+            if any((c.get("delta") or {}).get("content") for c in payload.get("choices") or []):
+                times.append(time.perf_counter())
+    return {"sent": sent, "times": times, "prompt_tokens": usage.get("prompt_tokens", 0)}
+
+
+async def load_long(url: str, clients: int, requests: int, prompts: List[str]) -> Dict[str, float]:
+    """`clients` clients, each sending `requests` long prompts one after another; their TTFT."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        async def run_client(c: int) -> List[Dict[str, object]]:
+            return [await stream_times(client, url, prompts[c * requests + i], 16) for i in range(requests)]
+
+        start = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(run_client(c) for c in range(clients))) for r in rs]
+        wall = time.perf_counter() - start
+    ttft = [r["times"][0] - r["sent"] for r in results]
+    return {"clients": clients, "requests": len(results), "prompt_tokens": statistics.mean(r["prompt_tokens"] for r in results),
+            "prompt_tokens_per_s": sum(r["prompt_tokens"] for r in results) / wall,
+            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "ttfts": sorted(ttft)}
+
+
+async def load_during_prefill(url: str, streams: int, prompt: str) -> Dict[str, float]:
+    """`streams` running streams, then one long prompt: its TTFT, and the streams' gaps before and during it."""
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
+        question = QUESTIONS[1]
+        running = [_collect(client, url, question) for _ in range(streams)]
+        logs = [task.log for task in running]
+        while not all(len(log) >= 8 for log in logs):  # every stream past its first tokens
+            for task in running:
+                if task.done():
+                    task.result()  # its error, or a stream that ended far too soon
+                    raise SystemExit(f"a stream at {url} ended after {len(task.log)} pieces")
+            await asyncio.sleep(0.01)
+        long = await stream_times(client, url, prompt, 16)
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    start, first = long["sent"], long["times"][0]
+    before, during = [], []
+    for log in logs:
+        for a, b in zip(log, log[1:]):
+            if b <= start:
+                before.append(b - a)
+            elif a < first:  # the gap overlaps the window from sending the prompt to its first token
+                during.append(b - a)
+    return {"streams": streams, "prompt_tokens": long["prompt_tokens"], "ttft": first - start,
+            "tpot_before_p50": _pct(before, 50), "tpot_during_p50": _pct(during, 50) if during else float("nan"),
+            "tpot_during_max": max(during) if during else float("nan")}
+
+
+def _collect(client: httpx.AsyncClient, url: str, question: str):
+    """A task streaming a long reply to `question`; `task.log` fills with each piece's arrival time."""
+    log: List[float] = []
+
+    async def run():
+        body = {"model": "m", "stream": True, "temperature": 0, "ignore_eos": True, "max_tokens": 2048,
+                "messages": [{"role": "user", "content": question}]}
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]" and any(
+                        (c.get("delta") or {}).get("content") for c in json.loads(line[6:]).get("choices") or []):
+                    log.append(time.perf_counter())
+
+    task = asyncio.create_task(run())
+    task.log = log
+    return task
+
+
 async def load(url: str, clients: int, requests: int) -> Dict[str, float]:
     # A new connection for each request, for both servers: llama.cpp's closed kept-alive connections as httpx reused
     # them ("Server disconnected without sending a response"; in 2 of 4 runs of 8 clients, nothing in its log).
@@ -187,6 +298,23 @@ async def load(url: str, clients: int, requests: int) -> Dict[str, float]:
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99)}
 
 
+def measure_long(name: str, url: str, clients: List[int], requests: int, tokens: int, streams: int) -> List[Dict[str, float]]:
+    rows = []
+    for n in clients:
+        row = {"server": name, "test": "long prompts", **asyncio.run(load_long(url, n, requests, long_prompts(n * requests, tokens)))}
+        print(f"{name:18s} {n:3d} clients x {requests} prompts of {row['prompt_tokens']:.0f} tokens: "
+              f"TTFT p50 {row['ttft_p50']:6.2f} s  p99 {row['ttft_p99']:6.2f} s  ({row['prompt_tokens_per_s']:.0f} prompt tokens/s "
+              "over the round)", flush=True)
+        rows.append(row)
+    # A prompt of its own, not one the rounds above sent, so no prompt cache holds it.
+    row = {"server": name, "test": "streams during a long prompt",
+           **asyncio.run(load_during_prefill(url, streams, long_prompts(max(clients) * requests + 1, tokens)[-1]))}
+    print(f"{name:18s} {streams:3d} streams, then {row['prompt_tokens']:.0f} prompt tokens: TTFT {row['ttft']:6.2f} s  "
+          f"streams' TPOT before p50 {row['tpot_before_p50'] * 1000:6.1f} ms, while it is read p50 "
+          f"{row['tpot_during_p50'] * 1000:6.1f} ms, longest {row['tpot_during_max'] * 1000:6.0f} ms", flush=True)
+    return rows + [row]
+
+
 def _pct(values: List[float], p: float) -> float:
     values = sorted(values)
     if len(values) == 1:
@@ -194,10 +322,13 @@ def _pct(values: List[float], p: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(p) - 1]
 
 
-def measure(name: str, proc: subprocess.Popen, clients: List[int], requests: int) -> List[Dict[str, float]]:
+def measure(name: str, proc: subprocess.Popen, clients: List[int], requests: int, long_prompt: int = 0,
+            streams: int = 4) -> List[Dict[str, float]]:
     try:
         wait_ready(proc.url, proc)
         asyncio.run(load(proc.url, 1, 1))  # warm-up
+        if long_prompt:
+            return measure_long(name, proc.url, clients, requests, long_prompt, streams)
         rows = []
         for n in clients:
             row = {"server": name, **asyncio.run(load(proc.url, n, requests))}
@@ -213,19 +344,23 @@ def measure(name: str, proc: subprocess.Popen, clients: List[int], requests: int
 
 def main(clients="1,4,8,16", requests: int = 4, threads: int = 2, parallel: int = 16, max_seq_len: int = 512,
          ckpt_dir: str = None, eager: bool = False, also_default: bool = False, ours_only: bool = False,
-         cache_dir: str = None, json_file: str = None):
+         cache_dir: str = None, json_file: str = None, long_prompt: int = 0, streams: int = 4):
     """Measure llama-server, and llama.cpp's server unless --ours-only; see the module docstring."""
     # fire reads "1,4,8" as a tuple, "8" as a number.
     counts = [int(c) for c in (clients if isinstance(clients, (tuple, list)) else str(clients).split(","))]
+    if long_prompt:
+        max_seq_len = max(max_seq_len, long_prompt + 512)
     cache = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-kv-bench-server"
     rows = []
     for eager_run in ([True, False] if eager and also_default else [eager]):
         name = "llama-kv" + (" eager" if eager_run else "")
-        rows += measure(name, start_ours(ckpt_dir, threads, parallel, max_seq_len, eager_run), counts, requests)
+        rows += measure(name, start_ours(ckpt_dir, threads, parallel, max_seq_len, eager_run), counts, requests,
+                        long_prompt, streams)
     if not ours_only:
         bin_dir = build_llama_cpp(cache, threads)
         gguf = f32_gguf(bin_dir, cache, threads)
-        rows += measure("llama.cpp", start_llama_cpp(bin_dir, gguf, threads, parallel, max_seq_len), counts, requests)
+        rows += measure("llama.cpp", start_llama_cpp(bin_dir, gguf, threads, parallel, max_seq_len), counts, requests,
+                        long_prompt, streams)
     if json_file:
         Path(json_file).write_text(json.dumps(rows, indent=2) + "\n")
 
