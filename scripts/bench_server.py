@@ -1,7 +1,7 @@
 """llama-server under N concurrent chat clients, against llama.cpp's own llama-server on the same weights.
 
     python scripts/bench_server.py [--clients 1,4,8,16] [--requests 4] [--threads 2] [--parallel 16]
-        [--eager] [--ours-only] [--cache-dir DIR] [--json-file FILE]
+        [--eager] [--ours-only] [--prefill-chunk N] [--cache-dir DIR] [--json-file FILE]
     python scripts/bench_server.py --long-prompt 2000 [--clients 8] [--requests 2] [--streams 4] ...
 
 Each client sends --requests chat requests one after another, streamed: a system prompt shared with other
@@ -14,7 +14,8 @@ run's wall time.
 Ours runs the default model (SmolLM2-135M-Instruct) in float32 with OMP_NUM_THREADS=--threads (and, as
 llama-server always does unless told otherwise, GOMP_SPINCOUNT=10000), as llama-server runs with no flags
 (the decode step compiled ahead of time and loaded from $LLAMA_HOME; the first start builds it, before any
-timing), or with --eager as `llama-server --no-compile` (both with --eager --also-default). llama.cpp's
+timing), or with --eager as `llama-server --no-compile` (both with --eager --also-default); --prefill-chunk N is passed
+on to it. llama.cpp's
 server is built here, once, into --cache-dir from the vendored tree of the llama-cpp-python source
 distribution (the version llama-download pins; cmake and a C++ compiler needed; nothing of it enters this
 repository), and runs an F32 GGUF that its own llama-quantize makes from the shipped Q4_1 file: exactly
@@ -84,10 +85,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 1800) -> None:
     raise SystemExit(f"the server at {url} was not ready after {timeout:.0f} s")
 
 
-def start_ours(ckpt_dir: Optional[str], threads: int, parallel: int, max_seq_len: int, eager: bool) -> subprocess.Popen:
+def start_ours(ckpt_dir: Optional[str], threads: int, parallel: int, max_seq_len: int, eager: bool,
+               prefill_chunk: Optional[int] = None) -> subprocess.Popen:
     port = free_port()
     cmd = [sys.executable, "-m", "llama.cli.server", "--port", str(port), "--parallel", str(parallel),
            "--max-seq-len", str(max_seq_len)] + (["--ckpt-dir", ckpt_dir] if ckpt_dir else []) + (["--no-compile"] if eager else [])
+    cmd += ["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.url = f"http://127.0.0.1:{port}"
@@ -344,7 +347,7 @@ def measure(name: str, proc: subprocess.Popen, clients: List[int], requests: int
 
 def main(clients="1,4,8,16", requests: int = 4, threads: int = 2, parallel: int = 16, max_seq_len: int = 512,
          ckpt_dir: str = None, eager: bool = False, also_default: bool = False, ours_only: bool = False,
-         cache_dir: str = None, json_file: str = None, long_prompt: int = 0, streams: int = 4):
+         cache_dir: str = None, json_file: str = None, long_prompt: int = 0, streams: int = 4, prefill_chunk: int = None):
     """Measure llama-server, and llama.cpp's server unless --ours-only; see the module docstring."""
     # fire reads "1,4,8" as a tuple, "8" as a number.
     counts = [int(c) for c in (clients if isinstance(clients, (tuple, list)) else str(clients).split(","))]
@@ -354,7 +357,7 @@ def main(clients="1,4,8,16", requests: int = 4, threads: int = 2, parallel: int 
     rows = []
     for eager_run in ([True, False] if eager and also_default else [eager]):
         name = "llama-kv" + (" eager" if eager_run else "")
-        rows += measure(name, start_ours(ckpt_dir, threads, parallel, max_seq_len, eager_run), counts, requests,
+        rows += measure(name, start_ours(ckpt_dir, threads, parallel, max_seq_len, eager_run, prefill_chunk), counts, requests,
                         long_prompt, streams)
     if not ours_only:
         bin_dir = build_llama_cpp(cache, threads)

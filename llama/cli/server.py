@@ -68,7 +68,7 @@ def main(
     kv_cache_size: Union[int, str] = None,
     max_seq_len: int = 2048,
     block_size: int = 16,
-    prefill_chunk: int = 128,
+    prefill_chunk: int = 256,
     max_waiting: int = 64,
     api_key: str = None,
     no_kv_cache: bool = False,

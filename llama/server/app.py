@@ -110,7 +110,7 @@ class Started(NamedTuple):
 
 
 def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
-                 prefill_chunk: int = 128, max_waiting: int = 64, kv_cache: bool = True,
+                 prefill_chunk: int = 256, max_waiting: int = 64, kv_cache: bool = True,
                  compile: Union[bool, str] = False, progress: Optional[Progress] = None,
                  kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
                  speculate: Union[str, Drafter, None] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
@@ -204,7 +204,7 @@ def create_server_app(engine: Optional[Engine] = None, model_id: str = "llama", 
 
 def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1", port: int = 8080,
           parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
-          prefill_chunk: int = 128, max_waiting: int = 64, kv_cache: bool = True,
+          prefill_chunk: int = 256, max_waiting: int = 64, kv_cache: bool = True,
           compile: Union[bool, str] = False, model_id: str = "llama", api_key: Optional[str] = None,
           webui: bool = True, shutdown_grace: float = 5.0, progress: Optional[Progress] = None,
           kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
