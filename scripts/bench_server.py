@@ -155,6 +155,19 @@ def start_llama_cpp(bin_dir: Path, gguf: Path, threads: int, parallel: int, max_
     return proc
 
 
+async def chat_payloads(client: httpx.AsyncClient, url: str, body: Dict[str, object]):
+    """The JSON payloads of one streamed chat request, as they arrive."""
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def has_content(payload: Dict[str, object]) -> bool:
+    return any((choice.get("delta") or {}).get("content") for choice in payload.get("choices") or [])
+
+
 async def one_request(client: httpx.AsyncClient, url: str, k: int) -> Dict[str, float]:
     """One streamed chat request; its time to first token, time per output token and tokens."""
     body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
@@ -164,20 +177,14 @@ async def one_request(client: httpx.AsyncClient, url: str, k: int) -> Dict[str, 
     start = time.perf_counter()
     first = last = None
     chunks, tokens = 0, None
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            payload = json.loads(line[6:])
-            if payload.get("usage"):
-                tokens = payload["usage"]["completion_tokens"]
-            for choice in payload.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    chunks += 1
+    async for payload in chat_payloads(client, url, body):
+        if payload.get("usage"):
+            tokens = payload["usage"]["completion_tokens"]
+        if has_content(payload):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            chunks += 1
     tokens = tokens or chunks
     return {"ttft": (first or time.perf_counter()) - start,
             "tpot": (last - first) / (tokens - 1) if first and tokens > 1 else 0.0, "tokens": tokens}
@@ -201,21 +208,17 @@ def long_prompts(count: int, tokens: int) -> List[str]:
     return texts
 
 
-async def stream_times(client: httpx.AsyncClient, url: str, question: str, max_tokens: int) -> Dict[str, object]:
-    """One streamed chat request for `question`: when it was sent, when each piece of content arrived, and the
-    usage it reported."""
+async def stream_times(client: httpx.AsyncClient, url: str, question: str, max_tokens: int,
+                       times: Optional[List[float]] = None) -> Dict[str, object]:
+    """One streamed chat request for `question`: when it was sent, when each piece of content arrived (appended to
+    `times` as they do, where given), and the usage it reported."""
     body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
             "ignore_eos": True, "max_tokens": max_tokens, "messages": [{"role": "user", "content": question}]}
-    sent, times, usage = time.perf_counter(), [], {}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            payload = json.loads(line[6:])
-            usage = payload.get("usage") or usage
-            if any((c.get("delta") or {}).get("content") for c in payload.get("choices") or []):
-                times.append(time.perf_counter())
+    sent, times, usage = time.perf_counter(), [] if times is None else times, {}
+    async for payload in chat_payloads(client, url, body):
+        usage = payload.get("usage") or usage
+        if has_content(payload):
+            times.append(time.perf_counter())
     return {"sent": sent, "times": times, "prompt_tokens": usage.get("prompt_tokens", 0)}
 
 
@@ -235,18 +238,19 @@ async def load_long(url: str, clients: int, requests: int, prompts: List[str]) -
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "ttfts": sorted(ttft)}
 
 
-async def load_during_prefill(url: str, streams: int, prompt: str) -> Dict[str, float]:
-    """`streams` running streams, then one long prompt: its TTFT, and the streams' gaps before and during it."""
+async def load_during_prefill(url: str, streams: int, prompt: str, reply_tokens: int) -> Dict[str, float]:
+    """`streams` running streams (replies of up to `reply_tokens`), then one long prompt: its TTFT, and the streams'
+    gaps before and during it."""
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0), limits=limits) as client:
         question = QUESTIONS[1]
-        running = [_collect(client, url, question) for _ in range(streams)]
-        logs = [task.log for task in running]
+        logs: List[List[float]] = [[] for _ in range(streams)]
+        running = [asyncio.create_task(stream_times(client, url, question, reply_tokens, log)) for log in logs]
         while not all(len(log) >= 8 for log in logs):  # every stream past its first tokens
-            for task in running:
+            for task, log in zip(running, logs):
                 if task.done():
                     task.result()  # its error, or a stream that ended far too soon
-                    raise SystemExit(f"a stream at {url} ended after {len(task.log)} pieces")
+                    raise SystemExit(f"a stream at {url} ended after {len(log)} pieces")
             await asyncio.sleep(0.01)
         long = await stream_times(client, url, prompt, 16)
         for task in running:
@@ -263,25 +267,6 @@ async def load_during_prefill(url: str, streams: int, prompt: str) -> Dict[str, 
     return {"streams": streams, "prompt_tokens": long["prompt_tokens"], "ttft": first - start,
             "tpot_before_p50": _pct(before, 50), "tpot_during_p50": _pct(during, 50) if during else float("nan"),
             "tpot_during_max": max(during) if during else float("nan")}
-
-
-def _collect(client: httpx.AsyncClient, url: str, question: str):
-    """A task streaming a long reply to `question`; `task.log` fills with each piece's arrival time."""
-    log: List[float] = []
-
-    async def run():
-        body = {"model": "m", "stream": True, "temperature": 0, "ignore_eos": True, "max_tokens": 2048,
-                "messages": [{"role": "user", "content": question}]}
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]" and any(
-                        (c.get("delta") or {}).get("content") for c in json.loads(line[6:]).get("choices") or []):
-                    log.append(time.perf_counter())
-
-    task = asyncio.create_task(run())
-    task.log = log
-    return task
 
 
 async def load(url: str, clients: int, requests: int) -> Dict[str, float]:
@@ -311,7 +296,8 @@ def measure_long(name: str, url: str, clients: List[int], requests: int, tokens:
         rows.append(row)
     # A prompt of its own, not one the rounds above sent, so no prompt cache holds it.
     row = {"server": name, "test": "streams during a long prompt",
-           **asyncio.run(load_during_prefill(url, streams, long_prompts(max(clients) * requests + 1, tokens)[-1]))}
+           **asyncio.run(load_during_prefill(url, streams, long_prompts(max(clients) * requests + 1, tokens)[-1],
+                                     tokens + 256))}
     print(f"{name:18s} {streams:3d} streams, then {row['prompt_tokens']:.0f} prompt tokens: TTFT {row['ttft']:6.2f} s  "
           f"streams' TPOT before p50 {row['tpot_before_p50'] * 1000:6.1f} ms, while it is read p50 "
           f"{row['tpot_during_p50'] * 1000:6.1f} ms, longest {row['tpot_during_max'] * 1000:6.0f} ms", flush=True)
