@@ -208,3 +208,21 @@ def test_generate_reads_a_long_prompt_in_chunks_with_the_answer_unchanged(gqa_ck
             for kv in (True, False)]
     assert len(runs[0][0][0]) == 37 + 12 and runs[0][0] == runs[1][0]
     assert runs[0][1] == runs[1][1]
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"], ids=["float32", "int8"])
+def test_the_switch_holds_through_a_prompt_of_2100_tokens_read_in_chunks_of_512(gqa_ckpt, quantize):
+    """At PROMPT_CHUNK's own size: a 2,100-token prompt (chunks ending at 512, 1,024, 1,536, 2,048 and 2,100) and 6
+    tokens after it, cached against uncached: the same tokens; log-probabilities the same bits on the integer
+    kernels, within 1e-5 in float32."""
+    assert generation.PROMPT_CHUNK == 512
+    llama = build(gqa_ckpt, max_seq_len=2112, max_batch_size=1, quantize=quantize)
+    prompt = torch.randint(3, llama.model.vocab_size, (2100,), generator=torch.Generator().manual_seed(5)).tolist()
+    (cached,), (lp_cached,) = llama.generate([prompt], 6, temperature=0, logprobs=True, ignore_stop=True)
+    (uncached,), (lp_uncached,) = llama.generate([prompt], 6, temperature=0, logprobs=True, ignore_stop=True,
+                                                 kv_cache=False)
+    assert len(cached) == 6 and cached == uncached
+    if quantize:
+        assert lp_cached == lp_uncached
+    else:
+        torch.testing.assert_close(torch.tensor(lp_cached), torch.tensor(lp_uncached), rtol=0, atol=1e-5)
