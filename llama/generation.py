@@ -443,8 +443,10 @@ class Llama:
         # position 1 (after a one-token prompt), which the compiled step would specialise on and compile anew.
         eager = first or (kv_cache and prev_pos < 2)
         forward = self.compiled_step if self.compiled_step is not None and not eager else self.model
-        if kv_cache:
+        if kv_cache and forward is self.model:
             logits = feed_in_chunks(forward, tokens, prev_pos, cur_pos, cache, num_logits)
+        elif kv_cache:  # the compiled step: one token, or a draft to verify, in the shape it was built for
+            logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
         else:
             logits = forward(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
         if not torch.isfinite(logits[:, -1]).all():
