@@ -287,17 +287,18 @@ async def load(url: str, clients: int, requests: int) -> Dict[str, float]:
 
 
 def measure_long(name: str, url: str, clients: List[int], requests: int, tokens: int, streams: int) -> List[Dict[str, float]]:
-    rows = []
+    # Every prompt of the run its own, the last for the streams' test: a prompt a round sent before would be in the
+    # server's prompt cache.
+    prompts, rows = long_prompts(sum(clients) * requests + 1, tokens), []
     for n in clients:
-        row = {"server": name, "test": "long prompts", **asyncio.run(load_long(url, n, requests, long_prompts(n * requests, tokens)))}
+        mine, prompts = prompts[: n * requests], prompts[n * requests :]
+        row = {"server": name, "test": "long prompts", **asyncio.run(load_long(url, n, requests, mine))}
         print(f"{name:18s} {n:3d} clients x {requests} prompts of {row['prompt_tokens']:.0f} tokens: "
               f"TTFT p50 {row['ttft_p50']:6.2f} s  p99 {row['ttft_p99']:6.2f} s  ({row['prompt_tokens_per_s']:.0f} prompt tokens/s "
               "over the round)", flush=True)
         rows.append(row)
-    # A prompt of its own, not one the rounds above sent, so no prompt cache holds it.
     row = {"server": name, "test": "streams during a long prompt",
-           **asyncio.run(load_during_prefill(url, streams, long_prompts(max(clients) * requests + 1, tokens)[-1],
-                                     tokens + 256))}
+           **asyncio.run(load_during_prefill(url, streams, prompts[0], tokens + 256))}
     print(f"{name:18s} {streams:3d} streams, then {row['prompt_tokens']:.0f} prompt tokens: TTFT {row['ttft']:6.2f} s  "
           f"streams' TPOT before p50 {row['tpot_before_p50'] * 1000:6.1f} ms, while it is read p50 "
           f"{row['tpot_during_p50'] * 1000:6.1f} ms, longest {row['tpot_during_max'] * 1000:6.0f} ms", flush=True)
