@@ -120,6 +120,33 @@ def test_the_thread_count_changes_no_bit_at_2048_positions():
     assert torch.equal(three, one[:, :, :700])
 
 
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_a_decode_step_shared_among_threads_gives_the_bits_of_a_head_among_many(kv):
+    """A decode step's few rows over a long cache (here 3 query rows of 1-2 key heads over 3,000 keys, 12 parts of
+    256) are split among the threads by parts of the keys, each part's softmax state merged in key order; with many
+    heads a thread takes whole heads instead. Both, at 1, 2 and 3 threads: the same bits, and float64 attention
+    within rounding, with the mask hiding the cache's last 77 columns."""
+    n, d = 3000, 64
+    q, k, v = qkv(1, 8, 3, n, d, seed=7)
+    if kv == "int8":
+        k, v = store_kv(k, torch.int8), store_kv(v, torch.int8)
+    mask = torch.zeros(1, 1, 3, n)
+    mask[..., n - 77:] = float("-inf")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        many = attention(q, k, v, mask)  # 8 heads: whole heads a thread
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            for heads in (slice(0, 1), slice(5, 7)):  # 1 or 2 heads: parts spread over the threads
+                assert torch.equal(attention(q[:, heads], k[:, heads], v[:, heads], mask), many[:, heads]), (t, heads)
+    finally:
+        torch.set_num_threads(threads)
+    if kv == "int8":
+        k, v = load_kv(k, d, torch.float32), load_kv(v, d, torch.float32)
+    torch.testing.assert_close(many.double(), reference(q, k, v, mask), rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 24, 21])
 def test_the_scalar_loop_gives_the_bits_of_every_other_path(dtype, d):

@@ -24,10 +24,18 @@
 //     e_j = exp(s_j - m), acc = acc + e_j * v_j                     j in order
 //     l = l + sum_j e_j
 //
-// and out = acc / l. A dot product runs 8 partial sums over D (lane l sums d = l mod 8, in order) and adds them in
-// the tree ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)); the block's sum of weights is taken the same way over j (lane
-// j mod 8, counted from the block's start: a hidden key's lane adds nothing). exp is `exp_neg` below, not the C library's, so that it can
-// be written 8 lanes at a time with the same operations. The compiler may vectorize the loops but not reorder or
+// Keys come in parts of kPart keys (multiples of kKeyBlock, so blocks start where they did), each part with its own
+// m, l and acc from -inf, 0 and 0; the parts' states are merged in key order (`merge_part`):
+//
+//     M = max(M, m_p),  L = L exp(M_old - M) + l_p exp(m_p - M),  ACC = ACC exp(M_old - M) + acc_p exp(m_p - M)
+//
+// and out = ACC / L. Parts let a decode step's few rows share one long cache among all threads (a part is work of
+// its own) while a prompt's row computes the same parts one after another: the same operations either way.
+//
+// A dot product runs 8 partial sums over D (lane l sums d = l mod 8, in order) and adds them in the tree
+// ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)); the block's sum of weights is taken the same way over j (lane j mod 8,
+// counted from the block's start: a hidden key's lane adds nothing). exp is `exp_neg` below, not the C library's,
+// so that it can be written 8 lanes at a time with the same operations. The compiler may vectorize the loops but not reorder or
 // fuse them (no -ffast-math, -ffp-contract=off: a multiply, then an add).
 //
 // Where the CPU has AVX2 (and the kernels' path is not forced below it), float32 and bf16 inputs (bf16 widened to
@@ -51,11 +59,15 @@
 
 #include "kernels.h"
 
+
+
+
 namespace llama_kv {
 namespace {
 
 constexpr int64_t kKeyBlock = 64;  // keys a row's online softmax takes at once; blocks start at its multiples
 constexpr int64_t kRowTile = 8;    // most rows of one (b, h) that meet each key block together (AVX2 path)
+constexpr int64_t kPart = 256;     // keys of a part (a multiple of kKeyBlock): rows meet their keys part by part
 constexpr float kHidden = -std::numeric_limits<float>::infinity();
 
 inline float to_float(float x) { return x; }
@@ -121,19 +133,25 @@ inline void load_row(const Rows<T, KV>& a, const KV* x, float* y) {
   }
 }
 
-// The reference: row i of (b, h), exactly the operations of the header, one at a time.
+// A row's state over one part of its keys: its max m, its sum of weights l, then D accumulated values (not yet
+// divided by l). m = -inf: the part hides every key (l and the values are then 0).
+inline float* state_values(float* st) { return st + 2; }
+
+// The reference: row i of (b, h) over keys j_begin .. j_end (a part: both multiples of kKeyBlock, or j_end = Nk),
+// exactly the operations of the header, one at a time, into its state st.
 template <typename T, typename KV>
-void attend_row(const Rows<T, KV>& a, int64_t b, int64_t h, int64_t i, float* qrow, float* krow, float* vrow, float* acc,
-                float* s) {
+void attend_part_row(const Rows<T, KV>& a, int64_t b, int64_t h, int64_t i, int64_t j_begin, int64_t j_end,
+                     float* qrow, float* krow, float* vrow, float* s, float* st) {
   const int64_t D = a.D;
   const T* qi = a.q + b * a.qs[0] + h * a.qs[1] + i * a.qs[2];
   for (int64_t d = 0; d < D; d++) qrow[d] = to_float(qi[d]);
   const KV* kb = a.k + b * a.ks[0] + h * a.ks[1];
   const KV* vb = a.v + b * a.vs[0] + h * a.vs[1];
   float m = kHidden, l = 0.0f;
+  float* acc = state_values(st);
   std::fill(acc, acc + D, 0.0f);
-  for (int64_t j0 = 0; j0 < a.Nk; j0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, a.Nk - j0);
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, j_end - j0);
     float bm = kHidden;
     for (int64_t j = 0; j < n; j++) {
       const float mv = a.mask_at(b, i, j0 + j);
@@ -162,8 +180,36 @@ void attend_row(const Rows<T, KV>& a, int64_t b, int64_t h, int64_t i, float* qr
     }
     l += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   }
-  T* oi = a.out + ((b * a.H + h) * a.Nq + i) * D;
-  for (int64_t d = 0; d < D; d++) oi[d] = static_cast<T>(acc[d] / l);
+  st[0] = m, st[1] = l;
+}
+
+// Folds a part's state into the row's running one (parts taken in key order; every path calls this one function):
+//     M' = max(M, m),  L' = L exp(M - M') + l exp(m - M'),  ACC' = ACC exp(M - M') + acc exp(m - M')
+// A part that hides every key is skipped, and the first one seen is taken as it is.
+inline void merge_part(float* into, const float* part, int64_t D) {
+  const float m = part[0];
+  if (m == kHidden) return;
+  float* acc = state_values(into);
+  const float* add = part + 2;
+  if (into[0] == kHidden) {
+    std::memcpy(into, part, (D + 2) * sizeof(float));
+    return;
+  }
+  const float top = std::max(into[0], m), a = exp_neg(into[0] - top), c = exp_neg(m - top);
+  into[0] = top;
+  into[1] = into[1] * a + part[1] * c;
+  for (int64_t d = 0; d < D; d++) acc[d] = acc[d] * a + add[d] * c;
+}
+
+inline void empty_state(float* st, int64_t D) {
+  st[0] = kHidden;
+  std::fill(st + 1, st + D + 2, 0.0f);
+}
+
+template <typename T>
+inline void finish_row(const float* st, int64_t D, T* out) {
+  const float* acc = st + 2;
+  for (int64_t d = 0; d < D; d++) out[d] = static_cast<T>(acc[d] / st[1]);
 }
 
 #if LLAMA_KV_X86
@@ -302,24 +348,35 @@ LK_AVX2 int64_t mask_block(const Rows<T, KV>& a, int64_t b, int64_t i, int64_t j
   return n - hidden;
 }
 
-// A thread's buffers for one tile of rows: their queries (widened), accumulators, scores and weights of one key
-// block, and (bf16) the block's keys and values widened.
+// Asks for n rows of `bytes` bytes each (stride `stride` elements) to be brought into the caches, without waiting.
+template <typename KV>
+LK_AVX2 inline void prefetch_rows(const KV* x, int64_t stride, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; j++) {
+    const char* p = reinterpret_cast<const char*>(x + j * stride);
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
+  }
+}
+
+// A thread's buffers for one tile of rows: their queries (widened), scores and weights of one key block, and
+// (bf16, int8) the block's keys and values widened.
 struct Tile {
-  std::vector<float> q, acc, s, e, k, v;
-  Tile(int64_t D) : q(kRowTile * D), acc(kRowTile * D), s(kRowTile * kKeyBlock), e(kRowTile * kKeyBlock),
-                    k(kKeyBlock * D), v(kKeyBlock * D) {}
+  std::vector<float> q, s, e, k, v;
+  Tile(int64_t D) : q(kRowTile * D), s(kRowTile * kKeyBlock), e(kRowTile * kKeyBlock), k(kKeyBlock * D), v(kKeyBlock * D) {}
 };
 
-// Rows i0 .. i1 of (b, h) together, each row exactly `attend_row`'s operations in its order.
+// Rows i0 .. i1 of (b, h) together over keys j_begin .. j_end, into their states st[0 .. i1 - i0): each row exactly
+// `attend_part_row`'s operations in its order.
 template <typename T, typename KV>
-LK_AVX2 void attend_tile_avx2(const Rows<T, KV>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, Tile& t) {
+LK_AVX2 void attend_tile_avx2(const Rows<T, KV>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j_begin,
+                              int64_t j_end, Tile& t, float* const* st) {
   constexpr bool wide = std::is_same<KV, float>::value;  // keys and values read in place; else widened a block at a time
   const int64_t D = a.D, R = i1 - i0;
   const bool lanes = D % 8 == 0;  // the tiled products need whole vectors; else each key alone, via dot_avx2
   float *q[kRowTile], *acc[kRowTile], *s[kRowTile], *e[kRowTile];
   float m[kRowTile], l[kRowTile];
   for (int64_t r = 0; r < R; r++) {
-    q[r] = t.q.data() + r * D, acc[r] = t.acc.data() + r * D;
+    q[r] = t.q.data() + r * D, acc[r] = state_values(st[r]);
     s[r] = t.s.data() + r * kKeyBlock, e[r] = t.e.data() + r * kKeyBlock;
     widen(a.q + b * a.qs[0] + h * a.qs[1] + (i0 + r) * a.qs[2], q[r], D);
     std::fill(acc[r], acc[r] + D, 0.0f);
@@ -327,8 +384,9 @@ LK_AVX2 void attend_tile_avx2(const Rows<T, KV>& a, int64_t b, int64_t h, int64_
   }
   const KV* kb = a.k + b * a.ks[0] + h * a.ks[1];
   const KV* vb = a.v + b * a.vs[0] + h * a.vs[1];
-  for (int64_t j0 = 0; j0 < a.Nk; j0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, a.Nk - j0);
+  const int64_t row_bytes = (std::is_same<KV, int8_t>::value ? D + 4 * a.nb : D) * int64_t(sizeof(KV));
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, j_end - j0);
     // Each row's mask over the block into its scores: whole (every key seen), partly seen, or not at all.
     int full[kRowTile], part[kRowTile], nfull = 0, npart = 0;
     for (int64_t r = 0; r < R; r++) {
@@ -337,6 +395,13 @@ LK_AVX2 void attend_tile_avx2(const Rows<T, KV>& a, int64_t b, int64_t h, int64_
       else if (seen > 0) part[npart++] = int(r);
     }
     if (nfull + npart == 0) continue;
+    // The next block's keys and values asked for now, so that memory reads them while this one is computed (at
+    // 8,192 keys, a decode step's attention over a cache in memory, not in the caches: 1.15-1.3x).
+    if (j0 + kKeyBlock < a.Nk) {
+      const int64_t jp = j0 + kKeyBlock, nn = std::min(kKeyBlock, a.Nk - jp);
+      prefetch_rows(kb + jp * a.ks[2], a.ks[2], nn, row_bytes);
+      prefetch_rows(vb + jp * a.vs[2], a.vs[2], nn, row_bytes);
+    }
     const float *kp, *vp;
     int64_t kstride, vstride;
     if constexpr (wide) {
@@ -431,12 +496,22 @@ LK_AVX2 void attend_tile_avx2(const Rows<T, KV>& a, int64_t b, int64_t h, int64_
       for (int64_t j = 0; j < n; j++)
         if (s[part[p]][j] != kHidden) add_scaled(acc[part[p]], e[part[p]][j], vp + j * vstride, D);
   }
-  for (int64_t r = 0; r < R; r++) {
-    T* oi = a.out + ((b * a.H + h) * a.Nq + i0 + r) * D;
-    for (int64_t d = 0; d < D; d++) oi[d] = static_cast<T>(acc[r][d] / l[r]);
-  }
+  for (int64_t r = 0; r < R; r++) st[r][0] = m[r], st[r][1] = l[r];
 }
 #endif
+
+// A thread's buffers: the scalar loop's row of q, key, value and scores, or the AVX2 path's tile.
+struct Scratch {
+  std::vector<float> q, k, v, s;
+#if LLAMA_KV_X86
+  std::unique_ptr<Tile> tile;
+#endif
+  Scratch(int64_t D, bool avx2) : q(D), k(D), v(D), s(kKeyBlock) {
+#if LLAMA_KV_X86
+    if (avx2) tile.reset(new Tile(D));
+#endif
+  }
+};
 
 template <typename T, typename KV = T>
 void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* mask, at::Tensor& out,
@@ -460,37 +535,85 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 #if LLAMA_KV_X86
   avx2 = kernel_path() >= kAvx2;
 #endif
-  // Work items are tiles of rows of one (b, h). How rows are grouped changes no bit, so it is chosen for speed:
-  // kRowTile rows where there are enough (a prompt), and a decode step's few rows of one (b, h) in one tile, so that
-  // each key block is read from memory (and an int8 one dequantized) once for all of them, not once a row: at
-  // 2,048 keys that step ran 1.12x faster this way on an AVX-512 EPYC, even with 3 tiles for 2 threads. Only where there
-  // are fewer (b, h) than threads are rows split up further, so that no thread idles. Within a (b, h) tiles are
-  // taken from both ends in turn, so that a thread's contiguous share of a causal mask's triangle holds short and
-  // long rows alike.
+  // Rows are taken in tiles of up to kRowTile rows of one (b, h), so that each key block is read from memory (and an
+  // int8 one dequantized) once for all of them, not once a row; within a (b, h) tiles are taken from both ends in
+  // turn, so that a thread's contiguous share of a causal mask's triangle holds short and long rows alike. A tile
+  // meets its keys in parts of kPart keys, each part's states merged into the rows' running ones in key order.
+  // Where tiles are many (a prompt, a batch of decode steps) a thread takes whole tiles, part after part. Where they
+  // are few (one decode step: 3 tiles of the default model's 3 key heads for 2 threads) each (tile, part) is work
+  // of its own, spread over the threads, its states kept, then merged in the same order by the same function:
+  // the same bits, and every thread streaming its share of the cache (at 2,048 keys that share is what bounds
+  // the step: the cache no longer fits in the caches, and one thread alone reads it at a third of memory's speed).
+  // How rows are grouped and parts shared out changes no bit, so both are chosen for speed.
   const int64_t BH = q.size(0) * a.H, threads = at::get_num_threads();
-  const bool whole = std::is_same<KV, int8_t>::value || BH >= threads;
-  const int64_t rows_wanted = whole ? a.Nq : BH * a.Nq / (4 * threads);
-  const int64_t R = avx2 ? std::clamp<int64_t>(rows_wanted, 1, kRowTile) : 1;
-  const int64_t tiles = (a.Nq + R - 1) / R;
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, R * a.Nk * a.D));
-  at::parallel_for(0, BH * tiles, grain, [&](int64_t w0, int64_t w1) {
-    std::vector<float> qrow(a.D), krow(a.D), vrow(a.D), acc(a.D), s(kKeyBlock);
+  const int64_t R = avx2 ? std::clamp<int64_t>(a.Nq, 1, kRowTile) : 1;
+  const int64_t tiles = (a.Nq + R - 1) / R, parts = (a.Nk + kPart - 1) / kPart, S = a.D + 2;
+  const bool spread = threads > 1 && parts > 1 && BH * tiles < 4 * threads;
+  // Rows i0 .. i1 of (b, h) over part p, into states st.
+  auto attend_part = [&](int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t p, Scratch& x, float* const* st) {
+    const int64_t j_begin = p * kPart, j_end = std::min(j_begin + kPart, a.Nk);
 #if LLAMA_KV_X86
-    std::unique_ptr<Tile> tile(avx2 ? new Tile(a.D) : nullptr);
+    if (avx2) {
+      attend_tile_avx2(a, b, h, i0, i1, j_begin, j_end, *x.tile, st);
+      return;
+    }
 #endif
-    for (int64_t w = w0; w < w1; w++) {
-      const int64_t bh = w / tiles, u = w % tiles;
-      const int64_t b = bh / a.H, h = bh % a.H;
-      const int64_t i0 = (u % 2 == 0 ? u / 2 : tiles - 1 - u / 2) * R, i1 = std::min(i0 + R, a.Nq);
-#if LLAMA_KV_X86
-      if (avx2) {
-        attend_tile_avx2(a, b, h, i0, i1, *tile);
-        continue;
+    for (int64_t i = i0; i < i1; i++)
+      attend_part_row(a, b, h, i, j_begin, j_end, x.q.data(), x.k.data(), x.v.data(), x.s.data(), st[i - i0]);
+  };
+  auto tile_rows = [&](int64_t w, int64_t& b, int64_t& h, int64_t& i0, int64_t& i1) {
+    const int64_t bh = w / tiles, u = w % tiles;
+    b = bh / a.H, h = bh % a.H;
+    i0 = (u % 2 == 0 ? u / 2 : tiles - 1 - u / 2) * R, i1 = std::min(i0 + R, a.Nq);
+  };
+  auto write_rows = [&](int64_t b, int64_t h, int64_t i0, int64_t i1, float* const* st) {
+    for (int64_t i = i0; i < i1; i++) finish_row(st[i - i0], a.D, a.out + ((b * a.H + h) * a.Nq + i) * a.D);
+  };
+  if (!spread) {
+    const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, R * a.Nk * a.D));
+    at::parallel_for(0, BH * tiles, grain, [&](int64_t w0, int64_t w1) {
+      Scratch x(a.D, avx2);
+      std::vector<float> buf(2 * R * S);
+      float *run[kRowTile], *cur[kRowTile];
+      for (int64_t r = 0; r < R; r++) run[r] = buf.data() + r * S, cur[r] = buf.data() + (R + r) * S;
+      for (int64_t w = w0; w < w1; w++) {
+        int64_t b, h, i0, i1;
+        tile_rows(w, b, h, i0, i1);
+        for (int64_t r = 0; r < i1 - i0; r++) empty_state(run[r], a.D);
+        for (int64_t p = 0; p < parts; p++) {
+          attend_part(b, h, i0, i1, p, x, cur);
+          for (int64_t r = 0; r < i1 - i0; r++) merge_part(run[r], cur[r], a.D);
+        }
+        write_rows(b, h, i0, i1, run);
       }
-#endif
-      for (int64_t i = i0; i < i1; i++) attend_row(a, b, h, i, qrow.data(), krow.data(), vrow.data(), acc.data(), s.data());
+    });
+    return;
+  }
+  std::vector<float> states(BH * tiles * parts * R * S);
+  auto state = [&](int64_t w, int64_t p, int64_t r) { return states.data() + ((w * parts + p) * R + r) * S; };
+  at::parallel_for(0, BH * tiles * parts, 1, [&](int64_t w0, int64_t w1) {
+    Scratch x(a.D, avx2);
+    for (int64_t wp = w0; wp < w1; wp++) {
+      const int64_t w = wp / parts, p = wp % parts;
+      int64_t b, h, i0, i1;
+      tile_rows(w, b, h, i0, i1);
+      float* st[kRowTile];
+      for (int64_t r = 0; r < i1 - i0; r++) st[r] = state(w, p, r);
+      attend_part(b, h, i0, i1, p, x, st);
     }
   });
+  std::vector<float> run(R * S);
+  for (int64_t w = 0; w < BH * tiles; w++) {
+    int64_t b, h, i0, i1;
+    tile_rows(w, b, h, i0, i1);
+    float* rs[kRowTile];
+    for (int64_t r = 0; r < i1 - i0; r++) {
+      rs[r] = run.data() + r * S;
+      empty_state(rs[r], a.D);
+      for (int64_t p = 0; p < parts; p++) merge_part(rs[r], state(w, p, r), a.D);
+    }
+    write_rows(b, h, i0, i1, rs);
+  }
 }
 
 at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask) {
