@@ -10,8 +10,9 @@ Either may hold keys and values in a dtype other than the model's (`--kv-cache-d
 rounded on write, or int8 in blocks of 32 along head_dim with one float32 scale each (llama.cpp's Q8_0 rule:
 scale = max|x| / 127, q = round(x / scale)). An int8 row holds its head_dim values and then its scales' bytes,
 so every tensor of the cache stays one int8 tensor that copies, gathers and files take as they are. The caches
-give attention these rows as they are (`torch.ops.llama_kv.attention` dequantizes a block of keys at a time as it
-reads them; elsewhere the model dequantizes them first, `load_kv`), and the uncached pass stores its keys and values
+give attention these rows as they are, and a bf16 cache its rows under float32 activations
+(`torch.ops.llama_kv.attention` dequantizes or widens a block of keys at a time as it reads them; elsewhere the
+model converts them first, `load_kv`), and the uncached pass stores its keys and values
 the same way before attention (`KVRounding`): the same bits on the integer kernels, where every op is row-exact.
 """
 
@@ -76,9 +77,12 @@ def load_kv(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tens
 
 
 def as_read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A cache's rows as attention takes them: int8 rows as stored (the model dequantizes them where its attention
-    cannot read them, `model.reads_int8_rows`), float rows in the activations' dtype."""
-    return rows if rows.dtype == torch.int8 else rows.to(dtype)
+    """A cache's rows as attention takes them: int8 rows, and bf16 rows for float32 activations, as stored (the model
+    converts them where its attention cannot read them, `model.reads_cache_rows`); other float rows in the
+    activations' dtype."""
+    if rows.dtype == torch.int8 or (rows.dtype == torch.bfloat16 and dtype == torch.float32):
+        return rows
+    return rows.to(dtype)
 
 
 def round_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -181,8 +185,9 @@ class KVCache(nn.Module):
             kv_len: key columns to return (all max_seq_len when None).
 
         Returns:
-            The rows' caches, each (bsz, n_kv_heads, kv_len, head_dim) in xk's dtype, or for int8 the stored rows
-            (bsz, n_kv_heads, kv_len, kv_row_width): column j holds position j. What lies past a row's positions is
+            The rows' caches, each (bsz, n_kv_heads, kv_len, head_dim) as `as_read` gives them (xk's dtype, or the
+            stored bf16 rows under float32 keys), or for int8 the stored rows (bsz, n_kv_heads, kv_len,
+            kv_row_width): column j holds position j. What lies past a row's positions is
             stale and must be masked (`model.positions_mask`).
 
         Raises:
@@ -342,8 +347,8 @@ class PagedLayerCache:
             kv_len: unused: the step's block tables already say how many columns are read.
 
         Returns:
-            (bsz, n_kv_heads, kv_len, head_dim) keys and values in xk's dtype, or for int8 the stored rows
-            (bsz, n_kv_heads, kv_len, kv_row_width): column j holds position j of the row.
+            (bsz, n_kv_heads, kv_len, head_dim) keys and values as `as_read` gives them, or for int8 the stored
+            rows (bsz, n_kv_heads, kv_len, kv_row_width): column j holds position j of the row.
         """
         bsz, n_kv_heads = xk.shape[:2]
         dtype, width = xk.dtype, self.keys.shape[2]

@@ -1,12 +1,13 @@
 """Prompt processing and decode speed by context length, ours against llama.cpp's llama-bench on the same weights.
 
     python scripts/bench_context.py [--prompts 512,2048,8192] [--contexts 0,2048,8192] [--new_tokens 128]
-        [--quantize none,int8,int4] [--threads 2] [--repeats 2] [--nollamacpp] [--ik_llama_bench PATH]
-        [--cache_dir DIR]
+        [--quantize none,int8,int4] [--kv_cache_dtype auto] [--threads 2] [--repeats 2] [--nollamacpp]
+        [--ik_llama_bench PATH] [--cache_dir DIR]
 
 Ours: the default model (SmolLM2-135M-Instruct) in each --quantize (none: float32 with torch's fused attention;
 int8 / int4: the integer kernels, with the row-exact blocked attention), batch 1, the decode step compiled and
-stored as users get it (built before any timing). Prompt processing: a prompt of N random tokens read at once
+stored as users get it (built before any timing); --kv_cache_dtype as `llama-generate`'s (auto: the model's
+dtype, float32; bfloat16 holds half the bytes, as llama.cpp's default F16 cache does). Prompt processing: a prompt of N random tokens read at once
 and its first token, N / seconds. Decode: after a context of N tokens (read untimed; 0: a one-token prompt),
 --new_tokens greedy tokens, timestamped per step, tokens/s over those after the first.
 
@@ -45,10 +46,11 @@ def _random_prompt(llama: Llama, n: int, seed: int) -> List[int]:
     return ids.tolist()
 
 
-def ours(quantize: str, prompts: List[int], contexts: List[int], new_tokens: int, repeats: int) -> Dict[str, float]:
+def ours(quantize: str, prompts: List[int], contexts: List[int], new_tokens: int, repeats: int,
+         kv_cache_dtype: str = "auto") -> Dict[str, float]:
     """{"pp N": tokens/s, "tg N": tokens/s} of our model quantized so."""
     llama = Llama.build(default_model_dir(), max_seq_len=max(prompts + contexts) + new_tokens + 8, max_batch_size=1,
-                        compile=True, quantize=None if quantize == "none" else quantize)
+                        compile=True, quantize=None if quantize == "none" else quantize, kv_cache_dtype=kv_cache_dtype)
     llama.generate([_random_prompt(llama, 8, 0)], 4, temperature=0)  # the first call's one-time costs
     rates: Dict[str, List[float]] = {}
     for repeat in range(repeats):
@@ -90,7 +92,7 @@ def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int
 
 
 def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128, quantize="none,int8,int4",
-         threads: int = 2, repeats: int = 2, llamacpp: bool = True, ik_llama_bench: Optional[str] = None,
+         kv_cache_dtype: str = "auto", threads: int = 2, repeats: int = 2, llamacpp: bool = True, ik_llama_bench: Optional[str] = None,
          cache_dir: Optional[str] = None):
     """Measure ours and llama.cpp's llama-bench (and ik_llama.cpp's, if named); see the module docstring."""
     torch.set_num_threads(threads)
@@ -102,7 +104,8 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
     print(f"tokens/s, {threads} threads; pp N: a prompt of N tokens; tg N: {new_tokens} tokens after N of context")
     print(f"{'':>24}" + "".join(f"{k:>10}" for k in keys))
     for q in _list(quantize):
-        runners = {f"llama-kv {q}": lambda q=q: ours(q, prompt_counts, context_counts, new_tokens, repeats)}
+        name = f"llama-kv {q}" + ("" if kv_cache_dtype == "auto" else f" kv {kv_cache_dtype}")
+        runners = {name: lambda q=q: ours(q, prompt_counts, context_counts, new_tokens, repeats, kv_cache_dtype)}
         if bin_dir is not None or ik_llama_bench:
             gguf = f32_gguf(bin_dir or Path(ik_llama_bench).parent, cache, threads, GGUF_TYPES[q])
         if bin_dir is not None:

@@ -198,3 +198,20 @@ def test_attention_over_int8_rows_is_attention_over_them_dequantized():
                 assert torch.equal(rows, floats), (head_dim, bsz, heads, n_q, n_k, path)
     with pytest.raises(RuntimeError, match="do not agree"):
         attention(q, k[..., :-4], v[..., :-4], mask)
+
+
+def test_attention_over_bfloat16_rows_under_float32_queries_is_attention_over_them_converted():
+    """A bf16 cache's rows under a float32 model's queries, widened a block of keys at a time: the same bits as
+    converting the whole cache to float32 first, on every instruction path, for a decode step's rows spread over
+    parts and a prompt's many."""
+    random = torch.Generator().manual_seed(1)
+    for bsz, heads, n_q, n_k, head_dim in [(1, 3, 3, 1, 64), (1, 3, 3, 700, 64), (2, 2, 5, 130, 24), (1, 3, 70, 70, 64)]:
+        q = torch.randn(bsz, heads, n_q, head_dim, generator=random)
+        k, v = (torch.randn(bsz, heads, n_k, head_dim, generator=random).bfloat16() for _ in range(2))
+        mask = torch.zeros(bsz, 1, n_q, n_k)
+        mask[..., n_k // 2 + 1:] = float("-inf")
+        for path in kernels.cpu_paths()[:2]:
+            with kernels.options(path=path):
+                assert torch.equal(attention(q, k, v, mask), attention(q, k.float(), v.float(), mask)), (n_k, path)
+    with pytest.raises(RuntimeError, match="int8 or bfloat16 rows"):
+        attention(q, k, v.float(), mask)

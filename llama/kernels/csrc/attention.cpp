@@ -12,7 +12,8 @@
 // D + 4 nb): each position's D values in nb blocks of D / nb, then the bytes of the blocks' float32 scales. A row is
 // dequantized as load_kv does it (each value times its block's scale: one rounding) into a buffer, a block of
 // keys at a time, so the result is the same bits as dequantizing the whole cache first and attending over that,
-// without writing or reading that float copy.
+// without writing or reading that float copy. k and v may likewise be a bf16 cache's rows (B, H, Nk, D) under a
+// float32 q: widened a block at a time (exactly), the same bits as converting the cache to float32 first.
 //
 // Per row, flash attention's online softmax over blocks of kKeyBlock keys that start at multiples of kKeyBlock
 // from key 0, in order (so where a block starts never depends on the rows computed together). In a block, over
@@ -620,11 +621,14 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q, k and v must be (B, H, N, D)");
   TORCH_CHECK(q_in.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention: tensors must be on the CPU");
   const bool rows8 = k.scalar_type() == at::kChar;  // an int8 cache's rows: D values, then nb float32 scales
+  // a bf16 cache's rows under float32 queries
+  const bool rows16 = q_in.scalar_type() == at::kFloat && k.scalar_type() == at::kBFloat16;
   const int64_t D = q_in.size(3), nb = D % 32 == 0 ? D / 32 : 1;  // llama/kv_cache.py's blocks
-  TORCH_CHECK(rows8 ? q_in.scalar_type() == at::kFloat && v.scalar_type() == at::kChar
-                    : q_in.scalar_type() == k.scalar_type() && q_in.scalar_type() == v.scalar_type() &&
-                          (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16),
-              "attention: q, k and v must be all float32 or all bfloat16, or a float32 q with int8 rows of k and v");
+  TORCH_CHECK(rows8 || rows16 ? q_in.scalar_type() == at::kFloat && v.scalar_type() == k.scalar_type()
+                              : q_in.scalar_type() == k.scalar_type() && q_in.scalar_type() == v.scalar_type() &&
+                                    (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16),
+              "attention: q, k and v must be all float32 or all bfloat16, or a float32 q with int8 or bfloat16 rows "
+              "of k and v");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q_in.size(0) && k.size(1) == q_in.size(1) &&
                   k.size(3) == (rows8 ? D + 4 * nb : D),
               "attention: q ", q_in.sizes(), ", k ", k.sizes(), " and v ", v.sizes(), " do not agree");
@@ -642,6 +646,8 @@ at::Tensor attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tens
   }
   if (rows8)
     attend_rows<float, int8_t>(q, k, v, mask.has_value() ? &m : nullptr, out, nb);
+  else if (rows16)
+    attend_rows<float, at::BFloat16>(q, k, v, mask.has_value() ? &m : nullptr, out);
   else if (q.scalar_type() == at::kFloat)
     attend_rows<float>(q, k, v, mask.has_value() ? &m : nullptr, out);
   else
