@@ -203,6 +203,25 @@ def test_bfloat16_kv_on_a_float32_model(tiny_ckpt):
         torch.testing.assert_close(torch.tensor(row), torch.tensor(row_uncached), rtol=0, atol=BF16_KV_BOUND)
 
 
+@pytest.mark.skipif(bool(missing()), reason="the kernels cannot be built here")
+def test_a_bfloat16_cache_is_read_as_it_is_by_a_steps_few_rows_and_converted_for_a_prompts_many():
+    """Float32 queries over a bf16 cache: a decode step's few rows go to `llama_kv.attention`, which widens the rows
+    as it reads them (the same bits as converting them first), not through a float32 copy of the whole cache; a
+    prompt's many rows go to torch's fused kernel over the converted cache."""
+    from llama.model import FEW_ROWS, ScaledDotProductAttention
+    assert kernels.load(), kernels.unavailable_reason()
+    attend = ScaledDotProductAttention()
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 2, 300, 64, generator=gen).bfloat16() for _ in range(2))
+    for rows in (3, FEW_ROWS + 1):
+        q = torch.randn(1, 2, rows, 64, generator=gen)
+        mask = torch.zeros(1, 1, rows, 300)
+        op = torch.ops.llama_kv.attention(q, k.float(), v.float(), mask)
+        fused = F.scaled_dot_product_attention(q, k.float(), v.float(), attn_mask=mask)
+        assert not torch.equal(op, fused)  # the two kernels round differently, so the test tells them apart
+        assert torch.equal(attend(q, k, v, mask), op if rows <= FEW_ROWS else fused), rows
+
+
 def test_paged_int8_blocks_copy_and_file_with_their_scales(wide_ckpt):
     """The paged pool's int8 rows carry their scales, so a block copied or written out and loaded back holds the
     same keys and values, and a block of float32 rows does not fit it."""
