@@ -19,13 +19,17 @@ from typing import Optional
 
 import torch
 
-from llama.model import RMSNorm, Rotary, ScaledDotProductAttention, rotation_pairs
+from llama.model import FEW_ROWS, RMSNorm, Rotary, ScaledDotProductAttention, rotation_pairs
 
 
 class RowExactAttention(ScaledDotProductAttention):
-    """The same attention as its base class, each query row computed alone in one fixed order (CPU)."""
+    """The same attention as its base class, each query row computed alone in one fixed order (CPU). A bf16 cache's
+    rows are widened once for a prompt's many query rows rather than a block at a time by each tile of them: the
+    same bits (widening is exact)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.shape[-2] > FEW_ROWS:
+            k, v = k.float(), v.float()
         return torch.ops.llama_kv.attention(q, k, v, mask)
 
 

@@ -112,6 +112,7 @@ struct Rows {
   int64_t H, Nq, D, Nk;
   int64_t qs[3], ks[3], vs[3];  // strides of b, h and the row
   int64_t mb, mi, mj;           // the mask's strides for row b, query i, key j
+  bool stream = false;          // every key read once: prefetch ahead
   int64_t nb = 1;               // int8 rows: blocks of D / nb values, each with a float32 scale after the values
   float scale;
 
@@ -396,9 +397,10 @@ LK_AVX2 void attend_tile_avx2(const Rows<T, KV>& a, int64_t b, int64_t h, int64_
       else if (seen > 0) part[npart++] = int(r);
     }
     if (nfull + npart == 0) continue;
-    // The next block's keys and values asked for now, so that memory reads them while this one is computed (at
-    // 8,192 keys, a decode step's attention over a cache in memory, not in the caches: 1.15-1.3x).
-    if (j0 + kKeyBlock < a.Nk) {
+    // Where each key is read once (a decode step: the cache streams from memory), the next block's keys and values
+    // are asked for now, so that memory reads them while this one is computed (at 8,192 keys: 1.15-1.3x). A prompt's
+    // tiles reread keys that sit in L2, and asking ahead would push the block in use out of L1.
+    if (a.stream && j0 + kKeyBlock < a.Nk) {
       const int64_t jp = j0 + kKeyBlock, nn = std::min(kKeyBlock, a.Nk - jp);
       prefetch_rows(kb + jp * a.ks[2], a.ks[2], nn, row_bytes);
       prefetch_rows(vb + jp * a.vs[2], a.vs[2], nn, row_bytes);
@@ -550,6 +552,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t R = avx2 ? std::clamp<int64_t>(a.Nq, 1, kRowTile) : 1;
   const int64_t tiles = (a.Nq + R - 1) / R, parts = (a.Nk + kPart - 1) / kPart, S = a.D + 2;
   const bool spread = threads > 1 && parts > 1 && BH * tiles < 4 * threads;
+  a.stream = tiles == 1;
   // Rows i0 .. i1 of (b, h) over part p, into states st.
   auto attend_part = [&](int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t p, Scratch& x, float* const* st) {
     const int64_t j_begin = p * kPart, j_end = std::min(j_begin + kPart, a.Nk);
