@@ -143,21 +143,22 @@ def reads_cache_rows(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dtype == torch.float32 and kernels.loaded()
 
 
-# Query rows (a KV head's, grouped-query heads folded in) up to which attention reads a bf16 cache's rows as they
-# are rather than converting them for torch's fused kernel: a decode step's, which reads the cache once where
-# converting it writes and reads it again (the eager float32 step after 8,192 positions: 106-111 ms against
-# 123-141 converting, EPYC-VNNI). A prompt's many rows are arithmetic, where the fused kernel is faster (2,048-token
-# prompts on float32 weights read 332 tokens/s through the op against 413 with a float32 cache).
+# Query rows (a KV head's, grouped-query heads folded in) up to which attention on the CPU runs `llama_kv.attention`
+# rather than torch's fused kernel: a decode step's. It reads a bf16 cache's rows as they are, where converting them
+# writes and reads the cache again (the eager float32 step after 8,192 positions: 106-111 ms against 123-141
+# converting, EPYC-VNNI), and shares a step's few rows among the threads by parts of the keys. A prompt's many rows
+# are arithmetic, where the fused kernel is faster (2,048-token prompts on float32 weights read 332 tokens/s through
+# the op against 413 with the fused kernel).
 FEW_ROWS = 64
 
 
 class ScaledDotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + mask) v, by torch's fused kernel; over an int8 cache's rows, and a bf16 cache's for a
-    step's few rows (`reads_cache_rows`, `FEW_ROWS`), by `llama_kv.attention`. A module of its own, holding nothing,
-    so that a model on the integer kernels can swap it for a row-exact one (llama/nn/row_attention.py)."""
+    """softmax(q k^T / sqrt(d) + mask) v, by torch's fused kernel; over an int8 cache's rows, and for a step's few
+    float32 rows on the CPU (`reads_cache_rows`, `FEW_ROWS`), by `llama_kv.attention`. A module of its own, holding
+    nothing, so that a model on the integer kernels can swap it for a row-exact one (llama/nn/row_attention.py)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if k.dtype == torch.int8 or (k.dtype != q.dtype and q.shape[-2] <= FEW_ROWS):
+        if k.dtype == torch.int8 or (q.shape[-2] <= FEW_ROWS and reads_cache_rows(q)):
             return torch.ops.llama_kv.attention(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
 

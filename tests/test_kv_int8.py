@@ -204,15 +204,16 @@ def test_bfloat16_kv_on_a_float32_model(tiny_ckpt):
 
 
 @pytest.mark.skipif(bool(missing()), reason="the kernels cannot be built here")
-def test_a_bfloat16_cache_is_read_as_it_is_by_a_steps_few_rows_and_converted_for_a_prompts_many():
-    """Float32 queries over a bf16 cache: a decode step's few rows go to `llama_kv.attention`, which widens the rows
-    as it reads them (the same bits as converting them first), not through a float32 copy of the whole cache; a
-    prompt's many rows go to torch's fused kernel over the converted cache."""
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float32])
+def test_a_steps_few_rows_take_the_op_and_a_prompts_many_the_fused_kernel(cache):
+    """Float32 queries on the CPU: a decode step's few rows go to `llama_kv.attention`, which reads a bf16 cache's rows
+    as they are (the same bits as converting them first) and shares a long cache among the threads; a prompt's many
+    rows go to torch's fused kernel (over the cache converted to float32)."""
     from llama.model import FEW_ROWS, ScaledDotProductAttention
     assert kernels.load(), kernels.unavailable_reason()
     attend = ScaledDotProductAttention()
     gen = torch.Generator().manual_seed(3)
-    k, v = (torch.randn(1, 2, 300, 64, generator=gen).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, 2, 300, 64, generator=gen).to(cache) for _ in range(2))
     for rows in (3, FEW_ROWS + 1):
         q = torch.randn(1, 2, rows, 64, generator=gen)
         mask = torch.zeros(1, 1, rows, 300)
