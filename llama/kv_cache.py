@@ -186,7 +186,7 @@ class KVCache(nn.Module):
 
         Returns:
             The rows' caches, each (bsz, n_kv_heads, kv_len, head_dim) as `as_read` gives them (xk's dtype, or the
-            stored bf16 rows under float32 keys), or for int8 the stored rows (bsz, n_kv_heads, kv_len,
+            stored bf16 rows under float32 activations), or for int8 the stored rows (bsz, n_kv_heads, kv_len,
             kv_row_width): column j holds position j. What lies past a row's positions is
             stale and must be masked (`model.positions_mask`).
 

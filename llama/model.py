@@ -138,8 +138,7 @@ class Rotary(nn.Module):
 def reads_cache_rows(q: torch.Tensor) -> bool:
     """Whether attention for these queries reads an int8 or bf16 cache's rows as they are (`llama_kv.attention`
     dequantizes or widens a block of keys at a time as it goes: float32 queries on the CPU, the kernels loaded)
-    rather than converted first (`load_kv`). The same bits either way; a bf16 cache at 8,192 positions is read in
-    half the time it takes to convert it."""
+    rather than converted first (`load_kv`). The same bits either way (`FEW_ROWS` says what reading them saves)."""
     return q.device.type == "cpu" and q.dtype == torch.float32 and kernels.loaded()
 
 

@@ -60,9 +60,6 @@
 
 #include "kernels.h"
 
-
-
-
 namespace llama_kv {
 namespace {
 
@@ -138,6 +135,7 @@ inline void load_row(const Rows<T, KV>& a, const KV* x, float* y) {
 // A row's state over one part of its keys: its max m, its sum of weights l, then D accumulated values (not yet
 // divided by l). m = -inf: the part hides every key (l and the values are then 0).
 inline float* state_values(float* st) { return st + 2; }
+inline const float* state_values(const float* st) { return st + 2; }
 
 // The reference: row i of (b, h) over keys j_begin .. j_end (a part: both multiples of kKeyBlock, or j_end = Nk),
 // exactly the operations of the header, one at a time, into its state st.
@@ -192,7 +190,7 @@ inline void merge_part(float* into, const float* part, int64_t D) {
   const float m = part[0];
   if (m == kHidden) return;
   float* acc = state_values(into);
-  const float* add = part + 2;
+  const float* add = state_values(part);
   if (into[0] == kHidden) {
     std::memcpy(into, part, (D + 2) * sizeof(float));
     return;
@@ -210,7 +208,7 @@ inline void empty_state(float* st, int64_t D) {
 
 template <typename T>
 inline void finish_row(const float* st, int64_t D, T* out) {
-  const float* acc = st + 2;
+  const float* acc = state_values(st);
   for (int64_t d = 0; d < D; d++) out[d] = static_cast<T>(acc[d] / st[1]);
 }
 
