@@ -2,12 +2,13 @@
 
     python scripts/bench_context.py [--prompts 512,2048,8192] [--contexts 0,2048,8192] [--new_tokens 128]
         [--quantize none,int8,int4] [--kv_cache_dtype auto] [--threads 2] [--repeats 2] [--nollamacpp]
-        [--ik_llama_bench PATH] [--cache_dir DIR]
+        [--ik_llama_bench PATH] [--model FILE.gguf] [--cache_dir DIR]
 
 Ours: the default model (SmolLM2-135M-Instruct) in each --quantize (none: float32 with torch's fused attention;
 int8 / int4: the integer kernels, with the row-exact blocked attention), batch 1, the decode step compiled and
 stored as users get it (built before any timing); --kv_cache_dtype as `llama-generate`'s (auto: the model's
-dtype, float32; bfloat16 holds half the bytes, as llama.cpp's default F16 cache does). Prompt processing: a prompt of N random tokens read at once
+dtype, float32; bfloat16 holds half the bytes, as llama.cpp's default F16 cache does), or several (auto,bfloat16),
+each a row of its own. Prompt processing: a prompt of N random tokens read at once
 and its first token, N / seconds. Decode: after a context of N tokens (read untimed; 0: a one-token prompt),
 --new_tokens greedy tokens, timestamped per step, tokens/s over those after the first.
 
@@ -18,6 +19,11 @@ makes from the shipped Q4_1 file (F32, Q8_0 and Q4_0 for none, int8 and int4): `
 ik_llama.cpp's llama-bench (built from github.com/ikawrakow/ik_llama.cpp with cmake), run alike with `-rtr 1`
 (weights repacked at load) and, as its llama-bench has no `-d`, `-gp N,128` for decode after N. Each runner's repeats are its
 own (llama-bench's `-r`); ours alternate with llama.cpp's per --quantize. Medians, tokens/s.
+
+--model measures another GGUF (F16 or F32) instead of the default model, such as LLaMA-2 7B's shapes with 8 layers:
+`python scripts/write_random_gguf.py 7b-8l-F16.gguf --size 7B --n_layers 8 --type F16`, then `--model 7b-8l-F16.gguf
+--prompts 512,2048 --contexts 0,2048`. llama-quantize makes its F32, Q8_0 and Q4_0 files (every tensor in that type)
+into --cache_dir; ours reads the F32 one and quantizes it with --quantize.
 """
 
 import json
@@ -47,9 +53,9 @@ def _random_prompt(llama: Llama, n: int, seed: int) -> List[int]:
 
 
 def ours(quantize: str, prompts: List[int], contexts: List[int], new_tokens: int, repeats: int,
-         kv_cache_dtype: str = "auto") -> Dict[str, float]:
-    """{"pp N": tokens/s, "tg N": tokens/s} of our model quantized so."""
-    llama = Llama.build(default_model_dir(), max_seq_len=max(prompts + contexts) + new_tokens + 8, max_batch_size=1,
+         kv_cache_dtype: str = "auto", model: Optional[Path] = None) -> Dict[str, float]:
+    """{"pp N": tokens/s, "tg N": tokens/s} of our model (`model`: a GGUF, else the default model) quantized so."""
+    llama = Llama.build(str(model or default_model_dir()), max_seq_len=max(prompts + contexts) + new_tokens + 8, max_batch_size=1,
                         compile=True, quantize=None if quantize == "none" else quantize, kv_cache_dtype=kv_cache_dtype)
     llama.generate([_random_prompt(llama, 8, 0)], 4, temperature=0)  # the first call's one-time costs
     rates: Dict[str, List[float]] = {}
@@ -92,22 +98,34 @@ def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int
 
 
 def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128, quantize="none,int8,int4",
-         kv_cache_dtype: str = "auto", threads: int = 2, repeats: int = 2, llamacpp: bool = True, ik_llama_bench: Optional[str] = None,
-         cache_dir: Optional[str] = None):
+         kv_cache_dtype="auto", threads: int = 2, repeats: int = 2, llamacpp: bool = True,
+         ik_llama_bench: Optional[str] = None, model: Optional[str] = None, cache_dir: Optional[str] = None):
     """Measure ours and llama.cpp's llama-bench (and ik_llama.cpp's, if named); see the module docstring."""
     torch.set_num_threads(threads)
     prompt_counts = [int(n) for n in _list(prompts)]
     context_counts = [int(n) for n in _list(contexts)]
     cache = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-kv-bench-server"
     bin_dir = build_llama_cpp(cache, threads, targets=("llama-bench", "llama-quantize")) if llamacpp else None
+    source = Path(model) if model else None
+    if source is not None and not source.is_file():
+        raise SystemExit(f"--model {model}: no such GGUF file")
+    if source is not None and bin_dir is None and not ik_llama_bench:
+        raise SystemExit("--model needs llama.cpp's or ik_llama.cpp's llama-quantize: "
+                         "drop --nollamacpp or name --ik_llama_bench")
+    quantizer_dir = bin_dir or (Path(ik_llama_bench).parent if ik_llama_bench else None)
+    ours_model = f32_gguf(quantizer_dir, cache, threads, "F32", source) if source is not None else None
     keys = [f"pp {n}" for n in prompt_counts] + [f"tg {n}" for n in context_counts]
-    print(f"tokens/s, {threads} threads; pp N: a prompt of N tokens; tg N: {new_tokens} tokens after N of context")
+    print(f"{ours_model or 'the default model'}: tokens/s, {threads} threads; pp N: a prompt of N tokens; "
+          f"tg N: {new_tokens} tokens after N of context")
     print(f"{'':>24}" + "".join(f"{k:>10}" for k in keys))
     for q in _list(quantize):
-        name = f"llama-kv {q}" + ("" if kv_cache_dtype == "auto" else f" kv {kv_cache_dtype}")
-        runners = {name: lambda q=q: ours(q, prompt_counts, context_counts, new_tokens, repeats, kv_cache_dtype)}
-        if bin_dir is not None or ik_llama_bench:
-            gguf = f32_gguf(bin_dir or Path(ik_llama_bench).parent, cache, threads, GGUF_TYPES[q])
+        runners = {}
+        for kv in _list(kv_cache_dtype):
+            name = f"llama-kv {q}" + ("" if kv == "auto" else f" kv {kv}")
+            runners[name] = lambda q=q, kv=kv: ours(q, prompt_counts, context_counts, new_tokens, repeats, kv,
+                                                    ours_model)
+        if quantizer_dir is not None:
+            gguf = f32_gguf(quantizer_dir, cache, threads, GGUF_TYPES[q], source)
         if bin_dir is not None:
             runners[f"llama.cpp {GGUF_TYPES[q]}"] = lambda gguf=gguf: llama_bench(
                 bin_dir / "llama-bench", gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])

@@ -129,13 +129,17 @@ def build_llama_cpp(cache_dir: Path, threads: int, targets=("llama-server", "lla
 GGUF_TYPES = {"none": "F32", "int8": "Q8_0", "int4": "Q4_0"}
 
 
-def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int, gguf_type: str = "F32") -> Path:
+def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int, gguf_type: str = "F32",
+             source: Optional[Path] = None) -> Path:
     """The default model as an F32 GGUF (or `gguf_type`: Q8_0, Q4_0, ...), made from the shipped Q4_1 file by
-    llama.cpp's own quantizer, every tensor in that type: F32 holds exactly the dequantized values."""
+    llama.cpp's own quantizer, every tensor in that type: F32 holds exactly the dequantized values. `source`: another
+    GGUF to make it from (an F16 or F32 one, such as scripts/write_random_gguf.py's LLaMA-2 7B shapes)."""
     from llama.convert.fetch import default_model_gguf
 
-    source = default_model_gguf()
+    source = Path(source) if source is not None else default_model_gguf()
     out = cache_dir / f"{source.stem.split('.')[0]}.{gguf_type}.gguf"
+    if out == source:
+        return out
     if not out.exists():
         partial = out.with_suffix(".partial")
         subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--pure", str(source), str(partial),
