@@ -222,7 +222,7 @@ def test_every_module_the_architecture_page_names_exists():
 def test_the_pages_tell_no_history():
     """Figures are current and dated; how they came about belongs in git, not in a user's document."""
     past = re.compile(r"before this change|\bissues? \d|\bsessions? of \d|(this|a later|the next|the previous) session"
-                      r"|in a later run|the run before", flags=re.I)
+                      r"|in a later run|the run before|\bsince (main at )?[0-9a-f]{7}\b|\bhave since\b", flags=re.I)
     problems = [f"{page.name}: {m.group(0)!r}" for page in PAGES for m in past.finditer(page.read_text())]
     assert not problems, "\n".join(problems)
 
