@@ -4,8 +4,8 @@
         [--quantize none,int8,int4] [--kv_cache_dtype auto] [--threads 2] [--repeats 2] [--nollamacpp]
         [--ik_llama_bench PATH] [--model FILE.gguf] [--cache_dir DIR]
 
-Ours: the default model (SmolLM2-135M-Instruct) in each --quantize (none: float32 with torch's fused attention;
-int8 / int4: the integer kernels, with the row-exact blocked attention), batch 1, the decode step compiled and
+Ours: the default model (SmolLM2-135M-Instruct) in each --quantize (none: float32; int8 / int4: the integer
+kernels, with the row-exact blocked attention), batch 1, the decode step compiled and
 stored as users get it (built before any timing); --kv_cache_dtype as `llama-generate`'s (auto: the model's
 dtype, float32; bfloat16 holds half the bytes, as llama.cpp's default F16 cache does), or several (auto,bfloat16),
 each a row of its own. Prompt processing: a prompt of N random tokens read at once
@@ -55,8 +55,8 @@ def _random_prompt(llama: Llama, n: int, seed: int) -> List[int]:
 def ours(quantize: str, prompts: List[int], contexts: List[int], new_tokens: int, repeats: int,
          kv_cache_dtype: str = "auto", model: Optional[Path] = None) -> Dict[str, float]:
     """{"pp N": tokens/s, "tg N": tokens/s} of our model (`model`: a GGUF, else the default model) quantized so."""
-    llama = Llama.build(str(model or default_model_dir()), max_seq_len=max(prompts + contexts) + new_tokens + 8, max_batch_size=1,
-                        compile=True, quantize=None if quantize == "none" else quantize, kv_cache_dtype=kv_cache_dtype)
+    llama = Llama.build(str(model or default_model_dir()), max_seq_len=max(prompts + contexts) + new_tokens + 8,
+                        max_batch_size=1, compile=True, quantize=None if quantize == "none" else quantize, kv_cache_dtype=kv_cache_dtype)
     llama.generate([_random_prompt(llama, 8, 0)], 4, temperature=0)  # the first call's one-time costs
     rates: Dict[str, List[float]] = {}
     for repeat in range(repeats):
@@ -106,13 +106,13 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
     context_counts = [int(n) for n in _list(contexts)]
     cache = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-kv-bench-server"
     bin_dir = build_llama_cpp(cache, threads, targets=("llama-bench", "llama-quantize")) if llamacpp else None
+    quantizer_dir = bin_dir or (Path(ik_llama_bench).parent if ik_llama_bench else None)
     source = Path(model) if model else None
     if source is not None and not source.is_file():
         raise SystemExit(f"--model {model}: no such GGUF file")
-    if source is not None and bin_dir is None and not ik_llama_bench:
+    if source is not None and quantizer_dir is None:
         raise SystemExit("--model needs llama.cpp's or ik_llama.cpp's llama-quantize: "
                          "drop --nollamacpp or name --ik_llama_bench")
-    quantizer_dir = bin_dir or (Path(ik_llama_bench).parent if ik_llama_bench else None)
     ours_model = f32_gguf(quantizer_dir, cache, threads, "F32", source) if source is not None else None
     keys = [f"pp {n}" for n in prompt_counts] + [f"tg {n}" for n in context_counts]
     print(f"{ours_model or 'the default model'}: tokens/s, {threads} threads; pp N: a prompt of N tokens; "
