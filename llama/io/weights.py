@@ -20,7 +20,7 @@ from llama.io.checkpoint import CheckpointReader, expected_shapes
 from llama.runtime.devices import available_memory
 from llama.errors import LlamaError
 from llama.model import ModelArgs
-from llama.runtime.pages import release_pages, return_free_memory
+from llama.runtime.pages import huge_empty, release_pages, return_free_memory, shared_huge_pages
 from llama.runtime.progress import Progress, or_silent
 from llama.quant.embedding import swap_embedding
 from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, Plan, is_linear_weight, quantized_shapes
@@ -185,36 +185,39 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
     layers = dict(model.named_modules())
     total, state = len(source.shards[0]), {}
     progress("loading weights", 0, total)
-    for i, (name, local, pieces) in enumerate(source.tensors(rank, world_size)):
-        if name in plan and name not in source.stored_plan:
-            layer = layers[name.removesuffix(".weight")]
-            for suffix, tensor in quantize_weight(local, *plan[name][:1], layer.group_size).items():
-                state[f"{name.removesuffix('.weight')}.{suffix}"] = tensor.to(device)
-        elif local.dtype in _FLOAT_DTYPES and not name.endswith((".scales", ".mins")):
-            if input_major and is_linear_weight(name) and local.shape[0] >= local.shape[1]:
-                # Input-major in one copy (converting first, then transposing, would allocate twice). Copying
-                # into the contiguous buffer from the transposed source, rather than into its transposed view
-                # from the source, lets torch use its cache-blocked transpose: half the load time here.
-                buffer = torch.empty(local.shape[::-1], dtype=dtype, device=device)
-                buffer.copy_(local.t())
-                tensor = buffer.t()
+    with shared_huge_pages():  # float weights under 2 MiB side by side on 2 MiB pages (`_weight_buffer`)
+        for i, (name, local, pieces) in enumerate(source.tensors(rank, world_size)):
+            if name in plan and name not in source.stored_plan:
+                layer = layers[name.removesuffix(".weight")]
+                for suffix, tensor in quantize_weight(local, *plan[name][:1], layer.group_size).items():
+                    state[f"{name.removesuffix('.weight')}.{suffix}"] = tensor.to(device)
+            elif local.dtype in _FLOAT_DTYPES and not name.endswith((".scales", ".mins")):
+                if input_major and is_linear_weight(name) and local.shape[0] >= local.shape[1]:
+                    # Input-major in one copy (converting first, then transposing, would allocate twice). Copying
+                    # into the contiguous buffer from the transposed source, rather than into its transposed view
+                    # from the source, lets torch use its cache-blocked transpose: half the load time here.
+                    buffer = _weight_buffer(local.shape[::-1], dtype, device)
+                    buffer.copy_(local.t())
+                    tensor = buffer.t()
+                elif is_linear_weight(name):
+                    tensor = _weight_buffer(local.shape, dtype, device).copy_(local)
+                else:
+                    tensor = local.to(device=device, dtype=dtype)
+                state[name] = tensor
             else:
-                tensor = local.to(device=device, dtype=dtype)
-            state[name] = tensor
-        else:
-            # Stored int8 / uint8 values and their float16 scales stay as they are (in bf16 they would be rounded).
-            # A rank's slice of columns is a strided view of the file's tensor: copied into rows of its own, as
-            # torch's int8 kernel needs them (a slice of one group is per-channel int8), and the file's pages freed.
-            state[name] = local.to(device).contiguous()
-        kept = state.get(name)
-        for piece in pieces:
-            if kept is None or not _shares_memory(kept, piece):
-                release_pages(piece)
-        del local, pieces
-        # Freed scratch (quantizing's float32 rows, a converted tensor's old copy) stays in glibc's heap
-        # unless handed back; without this the heap grew by more than the model from tensor to tensor.
-        return_free_memory()
-        progress("loading weights", i + 1, total)
+                # Stored int8 / uint8 values and their float16 scales stay as they are (in bf16 they would be rounded).
+                # A rank's slice of columns is a strided view of the file's tensor: copied into rows of its own, as
+                # torch's int8 kernel needs them (a slice of one group is per-channel int8), and the file's pages freed.
+                state[name] = local.to(device).contiguous()
+            kept = state.get(name)
+            for piece in pieces:
+                if kept is None or not _shares_memory(kept, piece):
+                    release_pages(piece)
+            del local, pieces
+            # Freed scratch (quantizing's float32 rows, a converted tensor's old copy) stays in glibc's heap
+            # unless handed back; without this the heap grew by more than the model from tensor to tensor.
+            return_free_memory()
+            progress("loading weights", i + 1, total)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # names or shapes that disagree with the model: a damaged checkpoint
@@ -235,6 +238,15 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             release_pages(tensor)  # re-packed: the file's copy of these bytes is no longer read
     return_free_memory()
     return model, layer_plan
+
+
+def _weight_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Where a float linear weight is held: on the CPU in memory that asked for 2 MiB pages, as the integer layers'
+    are (llama/runtime/pages.py), since a decode step streams every weight once and reads a layer of megabytes
+    faster from them than from 4 KiB pages (the file's mapped pages, or glibc's heap); elsewhere torch.empty."""
+    if device.type == "cpu":
+        return huge_empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
