@@ -20,6 +20,10 @@ ik_llama.cpp's llama-bench (built from github.com/ikawrakow/ik_llama.cpp with cm
 (weights repacked at load) and, as its llama-bench has no `-d`, `-gp N,128` for decode after N. Each runner's repeats are its
 own (llama-bench's `-r`); ours alternate with llama.cpp's per --quantize. Medians, tokens/s.
 
+Before the runners, the machine's memory rate on the same threads (1 GiB on 2 MiB pages, as the weights are held,
+summed and copied), and after each of ours the weights a decode step reads (every parameter and buffer but the
+embedding's) with the rate its decode after 0 reads them at: the roofline a batch-1 decode is held against.
+
 --model measures another GGUF (F16 or F32) instead of the default model, such as LLaMA-2 7B's shapes with 8 layers:
 `python scripts/write_random_gguf.py 7b-8l-F16.gguf --size 7B --n_layers 8 --type F16`, then `--model 7b-8l-F16.gguf
 --prompts 512,2048 --contexts 0,2048`. llama-quantize makes its F32, Q8_0 and Q4_0 files (every tensor in that type)
@@ -40,6 +44,7 @@ import torch
 from bench_server import GGUF_TYPES, build_llama_cpp, f32_gguf
 from llama import Llama
 from llama.convert.fetch import default_model_dir
+from llama.runtime.pages import huge_empty
 
 
 def _list(value) -> List[str]:
@@ -70,7 +75,38 @@ def ours(quantize: str, prompts: List[int], contexts: List[int], new_tokens: int
             llama.generate([_random_prompt(llama, n, repeat)], new_tokens, temperature=0, ignore_stop=True,
                            on_step=lambda *_: stamps.append(time.perf_counter()))
             rates.setdefault(f"tg {n}", []).append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    return {key: statistics.median(values) for key, values in rates.items()}
+    result = {key: statistics.median(values) for key, values in rates.items()}
+    result["weight bytes"] = weight_bytes(llama)
+    return result
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> Dict[str, float]:
+    """{"read": GB/s, "copy": GB/s} of this process's threads: `gib` GiB of float32 on 2 MiB pages, as the weights
+    are held, summed (bytes read / seconds) and copied (bytes read + written / seconds), the best of `repeats`: the
+    rate a decode step that streams its weights once is measured against."""
+    n = int(gib * (1 << 30)) // 4
+    src, dst = huge_empty((n,), torch.float32).fill_(1.0), huge_empty((n,), torch.float32)  # 2 MiB pages, as weights
+    dst.copy_(src)  # every page touched before timing
+    rates: Dict[str, float] = {"read": 0.0, "copy": 0.0}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        src.sum()
+        rates["read"] = max(rates["read"], src.nbytes / (time.perf_counter() - start) / 1e9)
+        start = time.perf_counter()
+        dst.copy_(src)
+        rates["copy"] = max(rates["copy"], 2 * src.nbytes / (time.perf_counter() - start) / 1e9)
+    return rates
+
+
+def weight_bytes(llama: Llama) -> int:
+    """Bytes of weights a decode step reads: every module's parameters and buffers but the embedding's, of which a
+    step looks up one row (an output layer tied to it is read whole, so it counts)."""
+    seen = {}
+    for name, module in llama.model.named_modules():
+        if name != "tok_embeddings":
+            for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                seen[t.data_ptr()] = t.nbytes
+    return sum(seen.values())
 
 
 def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int], new_tokens: int, threads: int,
@@ -115,8 +151,11 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
                          "drop --nollamacpp or name --ik_llama_bench")
     ours_model = f32_gguf(quantizer_dir, cache, threads, "F32", source) if source is not None else None
     keys = [f"pp {n}" for n in prompt_counts] + [f"tg {n}" for n in context_counts]
+    bandwidth = memory_bandwidth()
     print(f"{ours_model or 'the default model'}: tokens/s, {threads} threads; pp N: a prompt of N tokens; "
           f"tg N: {new_tokens} tokens after N of context")
+    print(f"memory, {threads} threads: read {bandwidth['read']:.1f} GB/s (1 GiB summed), copy {bandwidth['copy']:.1f} "
+          "GB/s (1 GiB copied, bytes read and written)")
     print(f"{'':>24}" + "".join(f"{k:>10}" for k in keys))
     for q in _list(quantize):
         runners = {}
@@ -136,6 +175,10 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
         for name, run in runners.items():
             rates = run()
             print(f"{name:>24}" + "".join(f"{rates[k]:>10.1f}" if k in rates else f"{'-':>10}" for k in keys), flush=True)
+            if "weight bytes" in rates and "tg 0" in rates:  # ours: what its decode reads a second
+                read = rates["weight bytes"] * rates["tg 0"] / 1e9
+                print(f"{'':>24}  weights {rates['weight bytes'] / 1e6:.1f} MB a token; at tg 0 {read:.1f} GB/s, "
+                      f"{read / bandwidth['read']:.0%} of the read rate", flush=True)
 
 
 if __name__ == "__main__":
