@@ -91,7 +91,9 @@ def start_ours(ckpt_dir: Optional[str], threads: int, parallel: int, max_seq_len
     cmd = [sys.executable, "-m", "llama.cli.server", "--port", str(port), "--parallel", str(parallel),
            "--max-seq-len", str(max_seq_len)] + (["--ckpt-dir", ckpt_dir] if ckpt_dir else []) + (["--no-compile"] if eager else [])
     cmd += ["--prefill-chunk", str(prefill_chunk)] if prefill_chunk else []
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+    # The repository first, then what PYTHONPATH holds already (packages installed with pip's --target, say).
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.url = f"http://127.0.0.1:{port}"
     return proc

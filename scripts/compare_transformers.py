@@ -52,17 +52,25 @@ PROMPT = "The history of the printing press begins in"
 LCPP_FTYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}  # llama.cpp's LLAMA_FTYPE_* values
 
 
-def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes per second moved by a large tensor copy (each byte read once and written once)."""
-    src = torch.ones(n_bytes // 4, dtype=torch.float32)
+def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes per second moved by a large tensor copy on `device` (each byte read once and written once)."""
+    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
+        _sync(src)
         t = time.perf_counter()
         dst.copy_(src)
+        _sync(src)
         best = min(best, time.perf_counter() - t)
     return 2 * n_bytes / best
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    """Wait for the GPU's queued work, so that a clock read after it counts that work."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 def decode_rate(stamps: List[float]) -> float:
@@ -84,12 +92,14 @@ def theirs_once(model, prompt_ids, n, batch=1):
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
+            _sync(scores)
             stamps.append(time.perf_counter())
             return scores
 
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids] * batch), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             use_cache=True, logits_processor=LogitsProcessorList([Stamp()]), pad_token_id=0)
+        prompts = torch.tensor([prompt_ids] * batch, device=model.device)
+        out = model.generate(prompts, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True,
+                             logits_processor=LogitsProcessorList([Stamp()]), pad_token_id=0)
     return decode_rate(stamps[1:]) * batch, out[0, len(prompt_ids):].tolist(), stamps[1] - stamps[0]
 
 

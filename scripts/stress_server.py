@@ -265,7 +265,9 @@ class Started:
         cmd = [sys.executable, "-m", "llama.cli.server", "--port", self.url.rsplit(":", 1)[1], "--api-key", KEY,
                "--parallel", str(parallel), "--max-seq-len", str(max_seq_len), *flags]
         cmd += ["--ckpt-dir", ckpt_dir] if ckpt_dir else []
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
+        # The repository first, then what PYTHONPATH holds already (packages installed with pip's --target, say).
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: List[str] = []
         threading.Thread(target=self._read, daemon=True).start()

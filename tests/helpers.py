@@ -31,8 +31,11 @@ from llama.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_TOKENIZER = REPO / "tokenizer.model.example"
-# The console scripts installed beside this Python.
+# The console scripts installed beside this Python, or where PATH finds them when they are not (`pip install --target
+# DIR` puts them in DIR/bin, as scripts/gpu_check.sh does to leave the GPU machine's Python as it was).
 BIN = Path(sys.executable).parent
+if not (BIN / "llama-generate").exists() and shutil.which("llama-generate"):
+    BIN = Path(shutil.which("llama-generate")).parent
 # torchrun as a module of this Python: a virtual environment that takes torch from the system's site-packages
 # has no torchrun script of its own.
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

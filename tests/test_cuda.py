@@ -39,6 +39,7 @@ def cached_and_uncached(model, tokens, prefill=12):
 def test_float32_cached_logits_equal_uncached_at_every_position(gqa_ckpt):
     model = build(gqa_ckpt, device="cuda").model
     assert model.device.type == "cuda"
+    assert not torch.backends.cuda.matmul.allow_tf32  # PyTorch's default, which the CPU's tolerance below rests on
     cached, uncached = cached_and_uncached(model, tokens_for(model))
     torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-5)
 
@@ -61,6 +62,34 @@ def test_half_precision_keeps_the_cache_within_its_rounding_and_greedy_tokens_eq
     on, _ = llama.generate(prompts, 20, temperature=0, kv_cache=True, ignore_stop=True)
     off, _ = llama.generate(prompts, 20, temperature=0, kv_cache=False, ignore_stop=True)
     assert on == off
+
+
+def test_bf16_stays_close_to_the_float32_reference(gqa_ckpt):
+    """As tests/test_kv_cache_equivalence.py holds it on the CPU: both bf16 paths against float32, not each other."""
+    f32 = build(gqa_ckpt, device="cuda", dtype="float32")
+    bf16 = build(gqa_ckpt, device="cuda", dtype="bfloat16")
+    tokens = torch.randint(0, f32.model.vocab_size, (8, 64), generator=torch.Generator().manual_seed(4))
+    _, ref = cached_and_uncached(f32.model, tokens, prefill=32)
+    scale = ref.abs().max().item()
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 0.1 * scale  # positions where float32's top token is not near a tie
+    assert clear.sum() >= 8
+    for got in cached_and_uncached(bf16.model, tokens, prefill=32):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0.05 * scale)
+        assert (got - ref).abs().mean().item() < 0.01 * scale
+        assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_float32_switch_holds_through_a_prompt_of_2100_tokens_read_in_chunks(gqa_ckpt):
+    """The CPU's test at PROMPT_CHUNK's size (tests/test_kv_cache_equivalence.py) on the GPU: the same tokens,
+    log-probabilities within 1e-5."""
+    llama = build(gqa_ckpt, device="cuda", max_seq_len=2112, max_batch_size=1)
+    prompt = torch.randint(3, llama.model.vocab_size, (2100,), generator=torch.Generator().manual_seed(5)).tolist()
+    (cached,), (lp_cached,) = llama.generate([prompt], 6, temperature=0, logprobs=True, ignore_stop=True)
+    (uncached,), (lp_uncached,) = llama.generate([prompt], 6, temperature=0, logprobs=True, ignore_stop=True,
+                                                 kv_cache=False)
+    assert len(cached) == 6 and cached == uncached
+    torch.testing.assert_close(torch.tensor(lp_cached), torch.tensor(lp_uncached), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -50,8 +50,9 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _memory_probe(device: torch.device):
-    """A function returning the memory in use now: CUDA allocations, or the process's resident set."""
+def memory_probe(device: torch.device):
+    """A function returning memory in use: on CUDA the peak of allocations since this call (it resets the peak), on
+    the CPU the process's resident set now."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return lambda: torch.cuda.max_memory_allocated(device)
@@ -71,7 +72,7 @@ def measure(llama: Llama, prompt: Sequence[int], batch_size: int, max_new_tokens
         deadline: a time.perf_counter() value; the run stops at the first step after it.
     """
     run = Run(batch_size, kv_cache, len(prompt), max_new_tokens)
-    probe = _memory_probe(llama.device)
+    probe = memory_probe(llama.device)
     peak = probe()
     stamps: List[float] = []
 
