@@ -100,7 +100,7 @@ async def _metrics(state: ServerState, request: Request) -> Response:
 
 
 async def _chat(state: ServerState, request: Request) -> Response:
-    params = parse_chat(await _json(request), state.tokenizer)
+    params = parse_chat(await _json(request), state.tokenizer, state.vocab_size)
     check_lengths(params, state.max_seq_len, "messages")
     run = _Run(state, params, request, chat=True)
     rid, created = new_id("chatcmpl"), now()
@@ -159,7 +159,8 @@ class _Run:
             self.jobs.append(Job(prompt, max_tokens, partial(self._emit, k), n=params.n, temperature=params.temperature,
                                  top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
                                  echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
-                                 ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt))
+                                 ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt,
+                                 controls=params.controls))
         submitted = []
         try:
             for job in self.jobs:
