@@ -94,6 +94,51 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> Params:
     return params
 
 
+def parse_responses(body: Any, tokenizer, vocab_size: int) -> Params:
+    """A Responses request, its text subset: `input` (a string, or a list of messages whose content is a string or
+    text parts), `instructions` (a system message before them), `max_output_tokens`, `temperature`, `top_p`,
+    `stream`. The other fields, tools and stored state among them, are not served and are ignored."""
+    body = _object(body)
+    given = body.get("input")
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise ApiError(400, "'input' must be a string or a non-empty list of messages", "input", "invalid_type")
+    messages = []
+    for i, item in enumerate(given):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise ApiError(400, f"input[{i}] must be a message ({{'role': ..., 'content': ...}}); other input items "
+                                "are not served", "input", "invalid_value")
+        content = item.get("content")
+        if isinstance(content, list):  # input_text and output_text parts
+            if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                       and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"input[{i}].content parts must all be text ({{'type': 'input_text', 'text': ...}})",
+                               "input", "invalid_value")
+            content = "".join(p["text"] for p in content)
+        messages.append({"role": item.get("role"), "content": content})
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "'instructions' must be a string", "instructions", "invalid_type")
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    chat = {"messages": messages, "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"), "stream": body.get("stream")}
+    try:
+        return parse_chat(chat, tokenizer, vocab_size)
+    except ApiError as e:  # in the Responses request's own terms
+        e.param = {"messages": "input", "max_tokens": "max_output_tokens"}.get(e.param, e.param)
+        e.message = e.message.replace("'max_tokens'", "'max_output_tokens'").replace("messages[", "input[")
+        raise
+
+
+def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dict[str, Any]:
+    """The Responses API's `usage`."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def check_lengths(params: Params, max_seq_len: int, param: str) -> None:
     """Refuse prompts that leave no room in the context, and replies asked to be longer than the room left."""
     for prompt in params.prompts:
