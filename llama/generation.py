@@ -22,7 +22,9 @@ from llama.convert.cache import resolve_checkpoint
 from llama.runtime.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.runtime.distributed import init_distributed
 from llama.errors import LlamaError
-from llama.sampling import check_sampling, logprobs_of, sample, sample_top_p  # noqa: F401 (Meta's names, here too)
+from llama.sampling import (  # noqa: F401 (Meta's names, here too)
+    SamplingControls, apply_controls, check_controls, check_sampling, logprobs_of, sample, sample_top_p,
+)
 from llama import kernels
 from llama.kv_cache import KVCache, resolve_kv_cache_dtype
 from llama.model import Transformer
@@ -305,6 +307,7 @@ class Llama:
         session: Optional[Session] = None,
         speculate: Union[str, Drafter, None] = None,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        controls: Optional[SamplingControls] = None,
     ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt until it emits a stop token or reaches max_gen_len new tokens (or max_seq_len).
 
@@ -329,6 +332,8 @@ class Llama:
                 instead. Needs the cache; several prompts run one after another, and `on_step` is then told
                 each one's (1,) tokens. None: the plain decode.
             draft_tokens: the most tokens a draft holds.
+            controls: penalties, biases, top-k and min-p applied to each row's logits before temperature and
+                top_p (llama/sampling.py's `apply_controls`), from the row's own tokens; not with `speculate`.
 
         Returns:
             (tokens, logprobs): per prompt, the returned token ids, ending before the stop token; and
@@ -336,6 +341,13 @@ class Llama:
         """
         self._check_request(prompt_tokens, max_gen_len, temperature, top_p, kv_cache, session)
         check_speculation(speculate, draft_tokens, kv_cache)
+        if controls is not None and controls.active:
+            check_controls(controls, self.model.params.vocab_size)
+            if speculate is not None:
+                raise LlamaError("sampling controls (penalties, logit_bias, top_k, min_p) cannot be used with "
+                                 "speculation; leave out one or the other")
+        else:
+            controls = None
         if speculate is not None and len(prompt_tokens) > 1:  # each alone: rows keep no common pace when speculating
             runs, stats = [], SpeculationStats()
             for t in prompt_tokens:
@@ -384,7 +396,11 @@ class Llama:
                     # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
                     logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
                                            first=cur_pos == min_prompt_len)
-                    next_token = sample(logits[:, -1], temperature, top_p, self.generator)
+                    last = logits[:, -1]
+                    if controls is not None:
+                        last = torch.stack([apply_controls(last[k], controls, tokens[k, :cur_pos].tolist(), len(t))
+                                            for k, t in enumerate(prompt_tokens)])
+                    next_token = sample(last, temperature, top_p, self.generator)
                     # Rows whose prompt is longer than the shortest one are still reading their prompt.
                     next_token = torch.where(prompt_mask[:, cur_pos], tokens[:, cur_pos], next_token)
                     tokens[:, cur_pos] = next_token

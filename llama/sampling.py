@@ -1,17 +1,110 @@
 """How the next token is chosen from the logits, as the plain decode does and as a speculative step checks a draft.
 
-`sample` is Meta's: greedy at temperature 0, else nucleus sampling (`sample_top_p`). `sampling_probs` is the
+`sample` is Meta's: greedy at temperature 0, else nucleus sampling (`sample_top_p`). Before it, `apply_controls`
+changes one row's logits by what the row's tokens so far say (`SamplingControls`: OpenAI's penalties and
+`logit_bias`, llama.cpp's repeat penalty, top-k and min-p), a pure function of those tokens, so a row's next
+token is the same whether its keys and values were cached or recomputed, alone or in a batch. `sampling_probs` is the
 distribution `sample` draws from, over the whole vocabulary, and `accept_draft` the rule of speculative sampling
 (Leviathan et al., 2023; Chen et al., 2023): a drafted token is kept with probability min(1, p / q) and otherwise
 replaced by a draw from the normalised residual max(p - q, 0), so that what comes out is distributed exactly as
 `sample`'s draws are. At temperature 0 a drafted token is kept where it is the argmax, as `sample` would pick it.
 """
 
-from typing import List, Optional
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from llama.errors import LlamaError
+
+@dataclass(frozen=True)
+class SamplingControls:
+    """How a row's logits are changed before temperature and top_p, in this order (llama.cpp's):
+
+    - `logit_bias`: (token id, bias) pairs, each bias added to that token's logit (OpenAI's, -100 to 100).
+    - `repeat_penalty` over the last `repeat_last_n` tokens of the row, prompt included (llama.cpp's; 0: none,
+      -1: all): each distinct token there has a positive logit divided by it and a negative one multiplied by it.
+    - `frequency_penalty` and `presence_penalty` over the generated tokens (OpenAI's, -2 to 2): a token's logit
+      loses count * frequency_penalty + (count > 0) * presence_penalty, count being how often it was generated.
+    - `top_k`: only the k largest logits stay (0: all; ties with the k-th stay too).
+    - `min_p`: only tokens whose probability is at least min_p times the likeliest one's stay (0: all); on the
+      logits as they are then, before temperature, as llama.cpp's chain does.
+
+    Tokens that do not stay get a logit of -inf.
+    """
+
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    logit_bias: Tuple[Tuple[int, float], ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        """Whether any control changes the logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or (self.repeat_penalty != 1 and self.repeat_last_n)
+                    or self.logit_bias or self.top_k > 0 or self.min_p > 0)
+
+
+def apply_controls(logits: torch.Tensor, controls: SamplingControls, tokens: Sequence[int], prompt_len: int) -> torch.Tensor:
+    """One row's (vocab,) logits changed by `controls`, given the row's tokens so far (prompt, then generated).
+
+    Args:
+        logits: the model's logits for the next token; not changed (a new tensor is returned).
+        controls: what to apply.
+        tokens: every token of the row before the next one: its prompt, then what was generated.
+        prompt_len: how many of `tokens` are the prompt (the penalties of OpenAI count only the rest).
+
+    Returns:
+        (vocab,) the logits to sample from.
+    """
+    out = logits.clone()
+    if controls.logit_bias:
+        ids = torch.tensor([t for t, _ in controls.logit_bias], device=out.device)
+        out.index_add_(0, ids, torch.tensor([b for _, b in controls.logit_bias], dtype=out.dtype, device=out.device))
+    last_n = controls.repeat_last_n
+    if controls.repeat_penalty != 1 and last_n != 0:
+        window = tokens if last_n < 0 else tokens[max(0, len(tokens) - last_n) :]
+        if len(window):
+            ids = torch.tensor(sorted(set(window)), device=out.device)
+            seen = out[ids]
+            out[ids] = torch.where(seen > 0, seen / controls.repeat_penalty, seen * controls.repeat_penalty)
+    generated = tokens[prompt_len:]
+    if (controls.frequency_penalty or controls.presence_penalty) and len(generated):
+        counts = torch.bincount(torch.tensor(list(generated), device=out.device), minlength=out.shape[-1])
+        counts = counts.to(out.dtype)
+        out -= counts * controls.frequency_penalty + (counts > 0).to(out.dtype) * controls.presence_penalty
+    if 0 < controls.top_k < out.shape[-1]:
+        kth = torch.topk(out, controls.top_k).values[-1]
+        out[out < kth] = -math.inf
+    if controls.min_p > 0:
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p): the softmax's normaliser cancels.
+        out[out < out.max() + math.log(controls.min_p)] = -math.inf
+    return out
+
+
+def check_controls(controls: SamplingControls, vocab_size: int) -> None:
+    """Raise LlamaError, naming the parameter, for a control out of its range."""
+    c = controls
+    for name, value, low, high in (("frequency_penalty", c.frequency_penalty, -2, 2),
+                                   ("presence_penalty", c.presence_penalty, -2, 2), ("min_p", c.min_p, 0, 1)):
+        if not low <= value <= high:  # also catches NaN
+            raise LlamaError(f"{name} must be from {low} to {high}, not {value}")
+    if not (c.repeat_penalty > 0 and math.isfinite(c.repeat_penalty)):
+        raise LlamaError(f"repeat_penalty must be more than 0 (1 is none), not {c.repeat_penalty}")
+    if c.repeat_last_n < -1:
+        raise LlamaError(f"repeat_last_n must be -1 (every token), 0 (none) or more, not {c.repeat_last_n}")
+    if c.top_k < 0:
+        raise LlamaError(f"top_k must be 0 (every token) or more, not {c.top_k}")
+    for token, bias in c.logit_bias:
+        if not 0 <= token < vocab_size:
+            raise LlamaError(f"logit_bias names token {token}, outside the vocabulary of {vocab_size}")
+        if not -100 <= bias <= 100:
+            raise LlamaError(f"logit_bias of token {token} must be from -100 to 100, not {bias}")
+
 
 def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Nucleus sampling: draw from the smallest set of tokens whose probabilities sum past `p`.

@@ -20,6 +20,7 @@ from llama.generation import Llama, StepCallback
 from llama.io.identity import describe_model, model_identity
 from llama.io.prompt_cache import load_prompt_cache, restore, save_prompt_cache
 from llama.nn.session import Session
+from llama.sampling import SamplingControls
 from llama.speculative import DEFAULT_DRAFT_TOKENS, Drafter, check_speculation
 
 
@@ -91,11 +92,12 @@ class Conversation:
         return Turn(candidate, prompt, dropped, min(self.max_gen_len, room))
 
     def respond(self, turn: Turn, temperature: float = 0.6, top_p: float = 0.9,
-                on_step: Optional[StepCallback] = None) -> Reply:
-        """Generate the reply to `turn` and add the exchange to the conversation."""
+                on_step: Optional[StepCallback] = None, controls: Optional[SamplingControls] = None) -> Reply:
+        """Generate the reply to `turn` and add the exchange to the conversation (`controls`: as `generate` takes
+        them)."""
         (tokens,), _ = self.llama.generate([turn.prompt], turn.max_gen_len, temperature, top_p,
                                            kv_cache=self.kv_cache, on_step=on_step, session=self.session,
-                                           speculate=self.speculate, draft_tokens=self.draft_tokens)
+                                           speculate=self.speculate, draft_tokens=self.draft_tokens, controls=controls)
         text = self.llama.tokenizer.decode(tokens)
         self.dialog = turn.dialog + [{"role": "assistant", "content": text}]
         if self.session is not None:

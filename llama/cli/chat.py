@@ -8,8 +8,8 @@ from typing import List, Optional
 from llama.dialog import has_special_tags
 from llama.cli.common import as_flags, fail, run
 from llama.cli.flags import with_model_flags
-from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, describe_speculation, is_main_rank,
-                               model_flag, speculation_from_flags)
+from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, controls_from_flags,
+                               describe_speculation, is_main_rank, model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
 from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
@@ -65,6 +65,10 @@ def main(
     draft_model: str = None,
     draft_quantize: str = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    repeat_penalty: float = 1.0,
+    repeat_last_n: int = 64,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ):
     """Chat with a LLaMA model in the terminal.
 
@@ -98,12 +102,15 @@ def main(
             prompt included) when it exists and belongs to this model, saved to it after every reply. A file
             from another model, or damaged, is reported in one line and replaced.
         <speculation flags>
+        <sampling flags>
     """
     ckpt_dir = model_flag(ckpt_dir, model)
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
     check_draft_flags(speculate, draft_model, draft_quantize, draft_tokens, kv_cache=not no_kv_cache)
+    controls = controls_from_flags(repeat_penalty, repeat_last_n, top_k, min_p,
+                                   speculating=speculate is not None or draft_model is not None)
     if session is not None and no_kv_cache:
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
     if session is not None:
@@ -172,7 +179,7 @@ def main(
                 stream.push(next_tokens[0].item())
 
         t0 = time.perf_counter()
-        reply = chat.respond(turn, temperature, top_p, on_step=on_step)
+        reply = chat.respond(turn, temperature, top_p, on_step=on_step, controls=controls)
         if stream is not None:
             stream.finish(reply.tokens)
             if stats and times:

@@ -45,6 +45,17 @@ KV_CACHE_DTYPE_FLAG = {
                       "--compile refuses it.",
 }
 KV_CACHE_DTYPE_MARKER = "<kv cache dtype flag>"
+# What changes the logits before temperature and top_p, on llama-generate and llama-chat (llama/sampling.py).
+SAMPLING_FLAGS = {
+    "repeat_penalty": "llama.cpp's repeat penalty: each distinct token among the last --repeat-last-n (prompt "
+                      "included) has a positive logit divided by it and a negative one multiplied by it; 1 (the "
+                      "default) is none, 1.1 a usual value.",
+    "repeat_last_n": "how many of the last tokens --repeat-penalty looks at (default 64; 0: none, -1: all).",
+    "top_k": "sample only from the k likeliest tokens (default 0: all).",
+    "min_p": "sample only from tokens at least this fraction as likely as the likeliest (default 0: all; 0.05 a "
+             "usual value). The same text with and without the KV cache under each of these.",
+}
+SAMPLING_MARKER = "<sampling flags>"
 
 
 def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str, str]] = None) -> str:
@@ -58,12 +69,12 @@ def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str
 
 
 def with_model_flags(main: Callable) -> Callable:
-    """Write the shared flags' help where `main`'s docstring says `<model flags>` (and `<speculation flags>` or
-    `<kv cache dtype flag>`, where it does); fire shows it as `main`'s own."""
+    """Write the shared flags' help where `main`'s docstring says `<model flags>` (and `<speculation flags>`,
+    `<kv cache dtype flag>` or `<sampling flags>`, where it does); fire shows it as `main`'s own."""
     doc = main.__doc__
     assert doc is not None and MARKER in doc, f"{main.__module__}.main's docstring has no {MARKER} line"
     for marker, flags in ((MARKER, MODEL_FLAGS), (SPECULATION_MARKER, SPECULATION_FLAGS),
-                          (KV_CACHE_DTYPE_MARKER, KV_CACHE_DTYPE_FLAG)):
+                          (KV_CACHE_DTYPE_MARKER, KV_CACHE_DTYPE_FLAG), (SAMPLING_MARKER, SAMPLING_FLAGS)):
         line = next((l for l in doc.splitlines() if marker in l), None)
         if line is not None:
             doc = doc.replace(line, model_flags_help(indent=len(line) - len(line.lstrip()), flags=flags))

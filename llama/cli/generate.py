@@ -8,8 +8,8 @@ from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_numbers
 from llama.cli.flags import with_model_flags
-from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, describe_speculation, is_main_rank,
-                               model_flag, speculation_from_flags)
+from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, controls_from_flags,
+                               describe_speculation, is_main_rank, model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
 from llama.sampling import check_sampling
 from llama.speculative import DEFAULT_DRAFT_TOKENS
@@ -74,6 +74,10 @@ def main(
     draft_model: str = None,
     draft_quantize: str = None,
     draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    repeat_penalty: float = 1.0,
+    repeat_last_n: int = 64,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -122,6 +126,7 @@ def main(
             one prompt at a time; with batch sizes (--precompile 1,4), for each: a --prompts-file of N
             prompts runs at batch size N.
         <speculation flags>
+        <sampling flags>
     """
     import_s = seconds_since_start()
     ckpt_dir = model_flag(ckpt_dir, model)
@@ -142,6 +147,8 @@ def main(
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
     check_draft_flags(speculate, draft_model, draft_quantize, draft_tokens, kv_cache=not no_kv_cache)
+    controls = controls_from_flags(repeat_penalty, repeat_last_n, top_k, min_p,
+                                   speculating=speculate is not None or draft_model is not None)
     if len(prompts) > max_batch_size:
         fail(f"{len(prompts)} prompts exceed --max-batch-size {max_batch_size}; raise it or split the file")
 
@@ -189,7 +196,7 @@ def main(
     out_tokens, out_logprobs = llama.generate(
         prompt_tokens, max_gen_len, temperature, top_p, logprobs=logprobs, echo=echo,
         kv_cache=not no_kv_cache, on_step=on_step, session=cached.session if cached else None,
-        speculate=drafter, draft_tokens=draft_tokens,
+        speculate=drafter, draft_tokens=draft_tokens, controls=controls,
     )
     end = time.perf_counter()
     if cached is not None:

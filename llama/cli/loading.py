@@ -1,6 +1,7 @@
 """Loading the model the way every command does: flags in, a ready Llama out."""
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Union
@@ -128,6 +129,30 @@ def check_draft_flags(speculate: Optional[str], draft_model: Optional[str], draf
     if draft_quantize is not None and draft_model is None:
         fail("--draft-quantize quantizes the draft model: give it with --draft-model PATH (the model's own "
              "checkpoint gives an int4 copy of it: --draft-model MODEL --draft-quantize int4)")
+
+
+def controls_from_flags(repeat_penalty, repeat_last_n, top_k, min_p, speculating: bool):
+    """The `SamplingControls` the flags ask for (None where they change nothing), or a one-line error for a value out
+    of range or a control together with speculation."""
+    from llama.sampling import SamplingControls, check_controls
+
+    for flag, value, kinds in (("--repeat-penalty", repeat_penalty, (int, float)), ("--repeat-last-n", repeat_last_n, int),
+                               ("--top-k", top_k, int), ("--min-p", min_p, (int, float))):
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            fail(f"{flag} takes a {'whole ' if kinds is int else ''}number, not {value!r}")
+    controls = SamplingControls(repeat_penalty=float(repeat_penalty), repeat_last_n=repeat_last_n, top_k=top_k,
+                                min_p=float(min_p))
+    try:
+        check_controls(controls, vocab_size=0)
+    except LlamaError as e:
+        fail(re.sub(r"\b(repeat_penalty|repeat_last_n|top_k|min_p)\b", lambda m: "--" + m.group(1).replace("_", "-"),
+                    str(e)))
+    if not controls.active:
+        return None
+    if speculating:
+        fail("--repeat-penalty, --top-k and --min-p cannot be used with --speculate or --draft-model; leave out one or "
+             "the other")
+    return controls
 
 
 def speculation_from_flags(llama: Llama, speculate: Optional[str], draft_model: Optional[str],

@@ -23,6 +23,7 @@ import torch
 
 from llama.detokenize import TextState
 from llama.server.disk_cache import DiskCache
+from llama.sampling import SamplingControls
 from llama.server.runner import Result, Row, Runner, Sampler
 from llama.server.scheduler import WAITING, Scheduler, Sequence
 from llama.speculative import DEFAULT_DRAFT_TOKENS, Drafter, Speculation, new_drafter
@@ -90,6 +91,7 @@ class Job:
     `seed` makes sampling reproducible whatever else runs: choice i draws from its own generator, seeded
     with seed + i. `logprobs` None reports none; k reports each token's and the k likeliest alternatives'.
     `cache_prompt` False computes the whole prompt even where the cache holds a prefix of it (same answer).
+    `controls` change each choice's logits before sampling (llama/sampling.py), from the choice's own tokens.
     """
 
     prompt: List[int]
@@ -105,6 +107,7 @@ class Job:
     ignore_eos: bool = False  # stop tokens do not end it: it runs to max_tokens (benchmarks)
     text_context: bool = False  # decode completions after the prompt's last tokens (keeps a leading space)
     cache_prompt: bool = True
+    controls: Optional[SamplingControls] = None
     sequences: List[Sequence] = field(default_factory=list)
     remaining: int = 0
     drafted: int = 0  # speculation's tokens drafted and checked, over its choices
@@ -288,6 +291,7 @@ class Engine:
             job.emit(Failed("the server is shutting down", 503))
             return
         first = None
+        controls = job.controls if job.controls is not None and job.controls.active else None
         for i in range(job.n):
             seq = Sequence(job.prompt, prompt_logprobs=job.echo_logprobs and i == 0, reuse_prefix=job.cache_prompt,
                            after=first)
@@ -297,7 +301,8 @@ class Engine:
             context = job.prompt if job.text_context else ()
             speculation = Speculation(self.draft_tokens, new_drafter(self.speculate)) if self.speculate else None
             self._choices[seq] = _Choice(job, i, TextState(self.tokenizer, job.stop, context),
-                                         Sampler(job.temperature, job.top_p, generator, job.logprobs), speculation)
+                                         Sampler(job.temperature, job.top_p, generator, job.logprobs, controls,
+                                                 len(job.prompt)), speculation)
             job.sequences.append(seq)
             self.scheduler.add(seq)
         job.remaining = job.n
@@ -371,10 +376,12 @@ class Engine:
         scored = seq.tokens[piece.start + 1 : min(end + 1, seq.prompt_len)] if piece.all_logits else []
         sampler = self._choices[seq].sampler
         if piece.draft:
+            history = seq.tokens[: piece.start + 1] if sampler.controls is not None else []
             return Row(seq.tokens[piece.start : piece.start + 1], piece.start, list(seq.blocks), sampler=sampler,
-                       draft=list(piece.draft))
+                       draft=list(piece.draft), history=history)
+        history = seq.tokens[:end] if sampler.controls is not None and piece.sample else []
         return Row(seq.tokens[piece.start : end], piece.start, list(seq.blocks), scored, sampler.top_logprobs or 0,
-                   sampler if piece.sample else None)
+                   sampler if piece.sample else None, history=history)
 
     def _absorb(self, piece, result: Result) -> None:
         seq = piece.seq

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs, Unavailable
 from llama.server.openai_api import (
     ApiError, Params, chat_logprobs, check_lengths, completion_logprobs, error_body, new_id, now, parse_chat,
-    parse_completion, usage,
+    parse_completion, parse_responses, response_usage, usage,
 )
 
 _GONE = object()  # put on a request's event queue when its client disconnects
@@ -60,6 +60,8 @@ def create_app(state: ServerState):
         Route("/health", partial(_health, state), methods=["GET"]),
         Route("/metrics", _endpoint(state, _metrics), methods=["GET"]),
         Route("/v1/models", _endpoint(state, _models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", _endpoint(state, _model), methods=["GET"]),
+        Route("/v1/responses", _endpoint(state, _responses), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(state, _chat), methods=["POST"]),
         Route("/v1/completions", _endpoint(state, _completions), methods=["POST"]),
     ]
@@ -84,10 +86,21 @@ async def _health(state: ServerState, request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+def _model_card(state: ServerState) -> Dict[str, Any]:
+    return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "llama-kv",
+            "max_model_len": state.max_seq_len, "kv_cache": state.kv_cache}
+
+
 async def _models(state: ServerState, request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [
-        {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "llama-kv",
-         "max_model_len": state.max_seq_len, "kv_cache": state.kv_cache}]})
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def _model(state: ServerState, request: Request) -> Response:
+    model_id = request.path_params["model_id"]
+    if model_id != state.model_id:
+        raise ApiError(404, f"The model '{model_id}' does not exist: this server serves '{state.model_id}' "
+                            "(GET /v1/models lists it).", "model", "model_not_found")
+    return JSONResponse(_model_card(state))
 
 
 async def _metrics(state: ServerState, request: Request) -> Response:
@@ -100,7 +113,7 @@ async def _metrics(state: ServerState, request: Request) -> Response:
 
 
 async def _chat(state: ServerState, request: Request) -> Response:
-    params = parse_chat(await _json(request), state.tokenizer)
+    params = parse_chat(await _json(request), state.tokenizer, state.vocab_size)
     check_lengths(params, state.max_seq_len, "messages")
     run = _Run(state, params, request, chat=True)
     rid, created = new_id("chatcmpl"), now()
@@ -133,6 +146,72 @@ async def _completions(state: ServerState, request: Request) -> Response:
                          "choices": choices, "usage": run.usage()})
 
 
+async def _responses(state: ServerState, request: Request) -> Response:
+    """The Responses API for text: one message out, streamed as its typed events or whole."""
+    body = await _json(request)
+    params = parse_responses(body, state.tokenizer, state.vocab_size)
+    check_lengths(params, state.max_seq_len, "input")
+    run = _Run(state, params, request, chat=True)
+    rid, created = new_id("resp"), now()
+    shown = {"instructions": body.get("instructions"), "max_output_tokens": params.max_tokens,
+             "temperature": params.temperature, "top_p": params.top_p}
+    message_id = new_id("msg")
+    if params.stream:
+        return await _stream(run, _response_events(state, run, rid, created, message_id, shown), _named_sse, b"")
+    texts, _, reasons = await _collect(run, 1)
+    return JSONResponse(_response(state, rid, created, message_id, shown, texts[0], reasons[0], run))
+
+
+def _response(state: ServerState, rid: str, created: int, message_id: str, shown: Dict[str, Any],
+              text: Optional[str], reason: Optional[str], run: Optional["_Run"]) -> Dict[str, Any]:
+    """A Responses object: in progress (no text yet), completed (a stop) or incomplete (max_output_tokens)."""
+    status = "in_progress" if text is None else ("incomplete" if reason == "length" else "completed")
+    output = [] if text is None else [_response_message(message_id, text, status)]
+    done = list(run.done.values()) if run is not None else []
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": state.model_id,
+            "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            **shown, "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "metadata": {},
+            "usage": response_usage(done[0].prompt_tokens, done[0].completion_tokens, done[0].cached_tokens)
+            if done else None}
+
+
+def _response_message(message_id: str, text: str, status: str) -> Dict[str, Any]:
+    return {"type": "message", "id": message_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+async def _response_events(state: ServerState, run: "_Run", rid: str, created: int, message_id: str,
+                           shown: Dict[str, Any]):
+    """The Responses API's stream for one message: created, in_progress, the item and its text part added, the text's
+    deltas, then each of them done and the response completed (or incomplete, at max_output_tokens)."""
+    number = iter(range(1 << 62))
+    where = {"item_id": message_id, "output_index": 0, "content_index": 0}
+
+    def event(type: str, **fields) -> Dict[str, Any]:
+        return {"type": type, "sequence_number": next(number), **fields}
+
+    yield event("response.created", response=_response(state, rid, created, message_id, shown, None, None, None))
+    yield event("response.in_progress", response=_response(state, rid, created, message_id, shown, None, None, None))
+    yield event("response.output_item.added", output_index=0,
+                item={**_response_message(message_id, "", "in_progress"), "content": []})
+    yield event("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+    text, reason = "", None
+    async for _, item in run.events():
+        if isinstance(item, Delta):
+            if item.text:
+                text += item.text
+                yield event("response.output_text.delta", **where, delta=item.text, logprobs=[])
+            reason = item.finish_reason or reason
+    final = _response(state, rid, created, message_id, shown, text, reason, run)
+    yield event("response.output_text.done", **where, text=text, logprobs=[])
+    yield event("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
+                part={"type": "output_text", "text": text, "annotations": [], "logprobs": []})
+    yield event("response.output_item.done", output_index=0, item=final["output"][0])
+    yield event(f"response.{final['status']}", response=final)
+
+
 # A request's jobs and their events.
 
 class _Run:
@@ -159,7 +238,8 @@ class _Run:
             self.jobs.append(Job(prompt, max_tokens, partial(self._emit, k), n=params.n, temperature=params.temperature,
                                  top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
                                  echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
-                                 ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt))
+                                 ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt,
+                                 controls=params.controls))
         submitted = []
         try:
             for job in self.jobs:
@@ -296,7 +376,8 @@ async def _completion_chunks(state: ServerState, run: _Run, params: Params, rid:
         yield {**base, "choices": [], "usage": run.usage()}
 
 
-async def _stream(run: _Run, chunks: AsyncIterator[Dict[str, Any]]) -> "_EventStream":
+async def _stream(run: _Run, chunks: AsyncIterator[Dict[str, Any]], sse: Callable[[Dict[str, Any]], bytes] = None,
+                  done: bytes = b"data: [DONE]\n\n") -> "_EventStream":
     """The stream, once its first event has come: until then a refusal can still be an HTTP status."""
     try:
         await run.started()
@@ -304,15 +385,17 @@ async def _stream(run: _Run, chunks: AsyncIterator[Dict[str, Any]]) -> "_EventSt
         await chunks.aclose()
         run.close()
         raise
-    return _EventStream(run, chunks)
+    return _EventStream(run, chunks, sse or _sse, done)
 
 
 class _EventStream(Response):
-    """Server-Sent Events: one `data:` line per chunk, then `data: [DONE]`; an error after the first chunk (a
-    model failure; a second prompt refused at shutdown while the first ran) ends it as an error event."""
+    """Server-Sent Events: one `data:` line per chunk (for the Responses API an `event:` line names it), then `done`
+    (chat and completions: `data: [DONE]`); an error after the first chunk (a model failure; a second prompt refused
+    at shutdown while the first ran) ends it as an error event."""
 
-    def __init__(self, run: _Run, chunks: AsyncIterator[Dict[str, Any]]):
-        self.run, self.chunks = run, chunks
+    def __init__(self, run: _Run, chunks: AsyncIterator[Dict[str, Any]], sse: Callable[[Dict[str, Any]], bytes],
+                 done: bytes):
+        self.run, self.chunks, self.sse, self.done = run, chunks, sse, done
         self.status_code, self.background = 200, None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -322,8 +405,8 @@ class _EventStream(Response):
         try:
             try:
                 async for payload in self.chunks:
-                    await send({"type": "http.response.body", "body": _sse(payload), "more_body": True})
-                tail = b"data: [DONE]\n\n"
+                    await send({"type": "http.response.body", "body": self.sse(payload), "more_body": True})
+                tail = self.done
             except ApiError as e:
                 tail = _sse(e.body())
             except ClientGone:
@@ -341,6 +424,10 @@ class _EventStream(Response):
 
 def _sse(payload: Dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+def _named_sse(payload: Dict[str, Any]) -> bytes:
+    return f"event: {payload['type']}\n".encode() + _sse(payload)
 
 
 # Errors, the API key, and the log.

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from llama.dialog import encode_dialog, has_special_tags
 from llama.errors import LlamaError
+from llama.sampling import SamplingControls
 from llama.server.engine import TokenLogprob
 from llama.server.text import token_bytes, token_text
 
@@ -55,9 +56,10 @@ class Params:
     echo: bool = False
     cache_prompt: bool = True  # llama.cpp's extension: False reuses no cached prefix (every prompt token computed)
     prompt_texts: List[str] = field(default_factory=list)  # completions' echo
+    controls: Optional[SamplingControls] = None  # penalties, logit_bias, top_k, min_p; None: none asked for
 
 
-def parse_chat(body: Any, tokenizer) -> Params:
+def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
     """A chat completion request: messages in the model's chat format, and the common parameters."""
     body = _object(body)
     messages = body.get("messages")
@@ -70,7 +72,7 @@ def parse_chat(body: Any, tokenizer) -> Params:
         prompt = encode_dialog(tokenizer, dialog)
     except LlamaError as e:
         raise ApiError(400, str(e), "messages", "invalid_value") from None
-    params = _common(body, [prompt])
+    params = _common(body, [prompt], vocab_size)
     if body.get("max_completion_tokens") is not None:
         params.max_tokens = _integer(body, "max_completion_tokens", None, 1)
     if _boolean(body, "logprobs", False):
@@ -84,12 +86,57 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> Params:
     """A completion request: a prompt as a string, a list of strings, token ids, or a list of those."""
     body = _object(body)
     prompts, texts = _prompts(body.get("prompt"), tokenizer, vocab_size)
-    params = _common(body, prompts)
+    params = _common(body, prompts, vocab_size)
     params.prompt_texts = texts
     params.echo = _boolean(body, "echo", False)
     if body.get("logprobs") is not None:
         params.logprobs = _integer(body, "logprobs", None, 0, 5)
     return params
+
+
+def parse_responses(body: Any, tokenizer, vocab_size: int) -> Params:
+    """A Responses request, its text subset: `input` (a string, or a list of messages whose content is a string or
+    text parts), `instructions` (a system message before them), `max_output_tokens`, `temperature`, `top_p`,
+    `stream`. The other fields, tools and stored state among them, are not served and are ignored."""
+    body = _object(body)
+    given = body.get("input")
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise ApiError(400, "'input' must be a string or a non-empty list of messages", "input", "invalid_type")
+    messages = []
+    for i, item in enumerate(given):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise ApiError(400, f"input[{i}] must be a message ({{'role': ..., 'content': ...}}); other input items "
+                                "are not served", "input", "invalid_value")
+        content = item.get("content")
+        if isinstance(content, list):  # input_text and output_text parts
+            if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                       and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"input[{i}].content parts must all be text ({{'type': 'input_text', 'text': ...}})",
+                               "input", "invalid_value")
+            content = "".join(p["text"] for p in content)
+        messages.append({"role": item.get("role"), "content": content})
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "'instructions' must be a string", "instructions", "invalid_type")
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+    chat = {"messages": messages, "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"), "stream": body.get("stream")}
+    try:
+        return parse_chat(chat, tokenizer, vocab_size)
+    except ApiError as e:  # in the Responses request's own terms
+        e.param = {"messages": "input", "max_tokens": "max_output_tokens"}.get(e.param, e.param)
+        e.message = e.message.replace("'max_tokens'", "'max_output_tokens'").replace("messages[", "input[")
+        raise
+
+
+def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Dict[str, Any]:
+    """The Responses API's `usage`."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def check_lengths(params: Params, max_seq_len: int, param: str) -> None:
@@ -209,7 +256,7 @@ def _prompts(prompt: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]], 
     return prompts, texts
 
 
-def _common(body: Dict[str, Any], prompts: List[List[int]]) -> Params:
+def _common(body: Dict[str, Any], prompts: List[List[int]], vocab_size: int) -> Params:
     params = Params(prompts, _integer(body, "max_tokens", None, 1))
     params.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     params.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -228,18 +275,49 @@ def _common(body: Dict[str, Any], prompts: List[List[int]]) -> Params:
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ApiError(400, "'stop' must be a string or a list of strings", "stop", "invalid_type")
     params.stop = [s for s in (stop or []) if s]
+    controls = _controls(body, vocab_size)
+    params.controls = controls if controls.active else None
     return params
 
 
-def _number(body: Dict[str, Any], name: str, default: Optional[float], low: float, high: float) -> Optional[float]:
+def _controls(body: Dict[str, Any], vocab_size: int) -> SamplingControls:
+    """OpenAI's penalties and `logit_bias`, and the `top_k`, `min_p`, `repeat_penalty` and `repeat_last_n` of vLLM
+    and llama.cpp (llama/sampling.py applies them)."""
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise ApiError(400, f"Invalid type for 'logit_bias': expected an object, but got {_kind(bias)} instead.",
+                       "logit_bias", "invalid_type")
+    pairs = []
+    for key, value in (bias or {}).items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab_size:
+            raise ApiError(400, f"Invalid 'logit_bias': its keys must be token ids from 0 to {vocab_size - 1}, but got "
+                                f"{key!r}.", "logit_bias", "invalid_value")
+        pairs.append((token, _number(bias, key, 0.0, -100.0, 100.0, f"logit_bias.{key}")))
+    repeat_penalty = _number(body, "repeat_penalty", 1.0, 0.0, 10.0)
+    if repeat_penalty <= 0:
+        raise ApiError(400, f"Invalid 'repeat_penalty': expected a value above 0 (1 is none), but got {repeat_penalty} "
+                            "instead.", "repeat_penalty", "invalid_value")
+    top_k = _integer(body, "top_k", 0, -1)
+    return SamplingControls(
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        repeat_penalty=repeat_penalty, repeat_last_n=_integer(body, "repeat_last_n", 64, -1),
+        logit_bias=tuple(sorted(pairs)), top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0))
+
+
+def _number(body: Dict[str, Any], name: str, default: Optional[float], low: float, high: float,
+            param: Optional[str] = None) -> Optional[float]:
     value = body.get(name)
+    param = param or name
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ApiError(400, f"Invalid type for '{name}': expected a number, but got {_kind(value)} instead.", name, "invalid_type")
+        raise ApiError(400, f"Invalid type for '{param}': expected a number, but got {_kind(value)} instead.", param,
+                       "invalid_type")
     if not low <= value <= high:
-        raise ApiError(400, f"Invalid '{name}': expected a value from {low:g} to {high:g}, but got {value} instead.",
-                       name, "invalid_value")
+        raise ApiError(400, f"Invalid '{param}': expected a value from {low:g} to {high:g}, but got {value} instead.",
+                       param, "invalid_value")
     return float(value)
 
 
