@@ -232,3 +232,34 @@ def test_the_readme_is_a_first_screen():
     assert len(readme.splitlines()) <= 250
     assert "python -m pytest\n" in readme and 'python -m pytest -m "not slow"' in readme
     assert readme.count("| measure |") == 1  # one benchmark table
+
+
+def docstring_flags(main) -> dict:
+    """Each flag of a command's `main` with the text its docstring's Args section gives it, continuation lines joined."""
+    doc, texts, name = inspect.getdoc(main) or "", {}, None
+    section = doc.split("Args:\n", 1)[1] if "Args:\n" in doc else ""
+    for line in section.splitlines():
+        if not line.startswith(" "):  # the section's end: an empty line or the next heading
+            break
+        entry = re.match(r"^ {4}(\w+)(?: \([^)]*\))?: (.*)$", line)
+        if entry:
+            name = entry.group(1)
+            texts[name] = entry.group(2)
+        elif name is not None:
+            texts[name] += " " + line.strip()
+    return texts
+
+
+def test_every_flags_help_renders_whole():
+    """fire reads a docstring's Args itself; a colon in a wrapped line can make it drop words from the middle of a
+    flag's help. Each command's `--help` shows every flag's whole text."""
+    problems = []
+    for program, module in entry_points().items():
+        main = importlib.import_module(module).main
+        shown = " ".join(fire_help(main, program).split())
+        texts = docstring_flags(main)
+        assert texts, f"{program}: no flags read from main's docstring"
+        for name, text in texts.items():
+            if " ".join(text.split()) not in shown:
+                problems.append(f"{program} --{name}: {text!r} is not shown whole")
+    assert not problems, "\n".join(problems)

@@ -78,5 +78,28 @@ def with_model_flags(main: Callable) -> Callable:
         line = next((l for l in doc.splitlines() if marker in l), None)
         if line is not None:
             doc = doc.replace(line, model_flags_help(indent=len(line) - len(line.lstrip()), flags=flags))
-    main.__doc__ = doc
+    main.__doc__ = one_line_args(doc)
     return main
+
+
+def one_line_args(doc: str) -> str:
+    """`doc` with each entry of its Args section on one line. fire reads a wrapped entry's later lines one at a time and
+    drops whatever follows a colon on them (a line such as "folder; default: the default model" loses its end, or
+    becomes an argument of its own), so each flag's help would show cut; it prints an entry's lines joined anyway."""
+    lines, out, in_args, indent = doc.splitlines(), [], False, None
+    for line in lines:
+        stripped = line.strip()
+        if in_args and stripped:
+            depth = len(line) - len(line.lstrip())
+            indent = depth if indent is None else indent
+            if depth > indent and out:
+                out[-1] += " " + stripped
+                continue
+            if depth < indent:
+                in_args = False
+        elif in_args:
+            in_args = False
+        if stripped == "Args:":
+            in_args, indent = True, None
+        out.append(line)
+    return "\n".join(out)
