@@ -287,19 +287,6 @@ class Transformer(nn.Module):
         self.output = nn.Linear(params.dim, params.vocab_size, bias=False)
         self._kv_cache_dtype: Optional[torch.dtype] = None
 
-    def use_column_major_weights(self) -> "Transformer":
-        """Store each projection with more outputs than inputs transposed in memory (same values, same names).
-
-        On the CPU, decoding multiplies one row of activations by each weight matrix, and MKL's kernel for
-        that runs about twice as fast when a wide matrix is laid out input-major (docs/benchmarks.md,
-        "Figures behind the code"). F.linear accepts the transposed view as it is, so forward and
-        state_dict() are unchanged; narrow matrices are faster as they are and stay.
-        """
-        for module in self.modules():
-            if isinstance(module, nn.Linear) and module.weight.shape[0] >= module.weight.shape[1]:
-                module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
-        return self
-
     @property
     def device(self) -> torch.device:
         """Where the model's weights (and so its activations and caches) live."""

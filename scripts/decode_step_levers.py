@@ -3,7 +3,7 @@
     python scripts/decode_step_levers.py [--new_tokens 64] [--repeats 5] [--threads 2]
 
 Three copies of the default model, differing only in their linear layers' kernel and weight layout:
-    F.linear, column-major   the default (MKL; wide matrices stored input-major by use_column_major_weights)
+    F.linear, column-major   the default (MKL; wide matrices stored input-major, as eager CPU runs load them)
     oneDNN, column-major     the same weights through torch.ops.mkldnn._linear_pointwise (a class swap)
     oneDNN, row-major        oneDNN on the weights as they load
 Each generates --new_tokens greedily (stop tokens ignored) from the same prompt, runs interleaved; printed:

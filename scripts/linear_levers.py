@@ -8,7 +8,7 @@ and wo, ...), so that, as in a real step, each product reads its weight from mem
 Printed: the median time of one pass over them by each candidate kernel, per matrix, and the bytes of
 weight read per second that it implies. Candidates that this torch build lacks are skipped:
     F.linear, row-major      PyTorch's default: (out, in) weights, MKL's sgemm/sgemv
-    F.linear, column-major   the same values stored input-major (what use_column_major_weights does)
+    F.linear, column-major   the same values stored input-major (as eager CPU runs load them)
     mkl packed               torch.ops.mkl._mkl_linear on a weight packed by _mkl_reorder_linear_weight
     onednn packed            torch.ops.mkldnn._linear_pointwise on a weight from mkldnn._reorder_linear_weight
     onednn, plain weight     torch.ops.mkldnn._linear_pointwise on the (out, in) weight as it is

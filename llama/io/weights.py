@@ -158,8 +158,8 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             to quantize as they load), and for the embedding where the file holds it quantized
             (llama/quant/embedding.py: its rows dequantized as tokens look them up).
         compiled: lay the weights out for llama/compile/step.py's step rather than for eager runs. Eager CPU runs
-            hold float projections with more outputs than inputs input-major (see
-            Transformer.use_column_major_weights); compiled ones keep them row-major for their reductions.
+            hold float projections with more outputs than inputs input-major (MKL's one-row product reads a wide
+            matrix about twice as fast so); compiled ones keep them row-major for their reductions.
             The layers are planned for the step it says.
         integer: quantized layers run on the integer kernels where they apply (llama/quant/dot_linears.py), rather
             than on the exact weight-only paths.

@@ -1,4 +1,4 @@
-"""How Meta splits a model across model-parallel ranks, and how to split or merge its shards."""
+"""How Meta splits a model across model-parallel ranks, and how to split a whole model into its shards."""
 
 from typing import Dict, List, Optional
 
@@ -48,23 +48,3 @@ def shard_state_dict(state_dict: Dict[str, torch.Tensor], num_shards: int) -> Li
         for shard, piece in zip(shards, pieces):
             shard[name] = piece
     return shards
-
-
-def merge_shards(shards: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """Join Meta-style shards back into one model's weights."""
-    if len(shards) == 1:
-        return dict(shards[0])
-    merged = {}
-    for name, first in shards[0].items():
-        dim = split_dim(name)
-        merged[name] = first if dim is None else torch.cat([shard[name] for shard in shards], dim=dim)
-    return merged
-
-
-def shard_for_rank(state_dict: Dict[str, torch.Tensor], rank: int, world_size: int) -> Dict[str, torch.Tensor]:
-    """This rank's slice of each weight of a whole model (views, no copies)."""
-    local = {}
-    for name, tensor in state_dict.items():
-        dim = split_dim(name)
-        local[name] = tensor if dim is None else torch.chunk(tensor, world_size, dim=dim)[rank]
-    return local
