@@ -58,8 +58,8 @@ class ChatPrediction(TypedDict, total=False):
 StepCallback = Callable[[int, torch.Tensor], None]
 
 # With the cache, a prompt is fed in chunks that end at multiples of this many positions. A chunk attends over the
-# positions up to its own, where the whole prompt at once would attend over all of them under a mask: a prompt of
-# 2,048 tokens ran 1.2x faster this way on 2 CPU cores, and its logits stay those of the positions alone.
+# positions up to its own, where the whole prompt at once would attend over all of them under a mask: faster on long
+# prompts (docs/benchmarks.md), and its logits stay those of the positions alone.
 PROMPT_CHUNK = 512
 
 

@@ -144,10 +144,8 @@ def reads_cache_rows(q: torch.Tensor) -> bool:
 
 # Query rows (a KV head's, grouped-query heads folded in) up to which attention on the CPU runs `llama_kv.attention`
 # rather than torch's fused kernel: a decode step's. It reads a bf16 cache's rows as they are, where converting them
-# writes and reads the cache again (the eager float32 step after 8,192 positions: 106-111 ms against 123-141
-# converting, EPYC-VNNI), and shares a step's few rows among the threads by parts of the keys. A prompt's many rows
-# are arithmetic, where the fused kernel is faster (2,048-token prompts on float32 weights read 332 tokens/s through
-# the op against 413 with the fused kernel).
+# writes and reads the cache again, and shares a step's few rows among the threads by parts of the keys. A prompt's
+# many rows are arithmetic, where the fused kernel is faster (docs/benchmarks.md, "Figures behind the code").
 FEW_ROWS = 64
 
 

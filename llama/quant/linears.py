@@ -78,7 +78,7 @@ class RowsLinear(ReductionLinear):
 
     Decoding a batch multiplies one row per sequence by every weight matrix: the kernel reads each weight row
     once for all of them, where MKL reads the weights again for each tile of rows and Inductor's reduction
-    once per row (a batch of 4 decodes 1.35x faster, docs/benchmarks.md). One row stays on Inductor's
+    once per row (a batch decodes faster: docs/benchmarks.md, "Figures behind the code"). One row stays on Inductor's
     reduction, which fuses with the steps around it and measured faster inside the step. Weights row-major, as
     the compiled step stores them.
     """

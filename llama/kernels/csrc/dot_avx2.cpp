@@ -76,7 +76,7 @@ LK_AVX2 void q4_half(const uint8_t* unit, int h, int64_t nb, const ActRow* act, 
     __m256i sum16[MT];
     for (int m = 0; m < MT; m++) sum16[m] = _mm256_setzero_si256();
     // Not unrolled: four rows' sums, accumulators and the unpacked nibbles then fit in the 16 registers (unrolled,
-    // the compiler hoisted every load and spilled the sums to the stack, a third of the speed at four rows).
+    // the compiler hoisted every load and spilled the sums to the stack).
 #pragma GCC unroll 1
     for (int p = 0; p < QK / 8; p++) {
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p + 32 * h));
