@@ -23,7 +23,7 @@ from llama.runtime.devices import check_fits, local_device, resolve_device, reso
 from llama.runtime.distributed import init_distributed
 from llama.errors import LlamaError
 from llama.sampling import (  # noqa: F401 (Meta's names, here too)
-    SamplingControls, apply_controls, check_controls, check_sampling, logprobs_of, sample, sample_top_p,
+    SamplingControls, apply_controls, check_controls, check_finite, check_sampling, logprobs_of, sample, sample_top_p,
 )
 from llama import kernels
 from llama.kv_cache import KVCache, resolve_kv_cache_dtype
@@ -465,11 +465,7 @@ class Llama:
             logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
         else:
             logits = forward(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
-        if not torch.isfinite(logits[:, -1]).all():
-            raise LlamaError(
-                f"the model produced NaN or infinite logits at position {cur_pos - 1}; the weights may be "
-                "corrupt, or the dtype may overflow (try dtype=float32)"
-            )
+        check_finite(logits[:, -1], cur_pos - 1)
         return logits
 
     def text_completion(

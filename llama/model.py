@@ -101,9 +101,10 @@ def _check_whole_prefix(input_pos: torch.Tensor) -> None:
     expected = torch.arange(input_pos.shape[1], device=input_pos.device)
     if not torch.equal(input_pos, expected.expand_as(input_pos)):
         first = input_pos[:, 0].tolist()
-        raise ValueError("without a KV cache the whole prefix must be fed, at positions 0 .. seqlen - 1 in every row, "
-                         f"not from position {first[0] if len(set(first)) == 1 else first}; to feed tokens at later "
-                         "positions, pass the cache that holds the earlier ones")
+        raise ValueError("without a KV cache the whole prefix must be fed from position 0 (positions 0 .. seqlen - 1 in "
+                         f"every row), not from position {first[0] if len(set(first)) == 1 else first}; to feed tokens "
+                         "at later positions, pass the cache that holds the earlier ones "
+                         "(cache=model.new_kv_cache(bsz, max_seq_len), where Meta's model keeps one inside)")
 
 
 def rotation_pairs(freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -358,10 +359,6 @@ class Transformer(nn.Module):
         """
         if input_pos is not None:
             return self.forward_at(tokens, input_pos, cache, num_logits)
-        if cache is None and start_pos != 0:
-            raise ValueError(f"without a KV cache the whole prefix must be fed from position 0, not {start_pos}; "
-                             "to feed tokens at a later position, pass the cache that holds the earlier ones "
-                             "(cache=model.new_kv_cache(bsz, max_seq_len), where Meta's model keeps one inside)")
         seqlen = tokens.shape[1]
         positions = torch.arange(start_pos, start_pos + seqlen, device=tokens.device)[None]  # (1, seqlen): every row's
         # The cache holds nothing past the tokens fed yet: its columns up to theirs are all a token may see.

@@ -106,6 +106,14 @@ def check_controls(controls: SamplingControls, vocab_size: int) -> None:
             raise LlamaError(f"logit_bias of token {token} must be from -100 to 100, not {bias}")
 
 
+def check_finite(logits: torch.Tensor, position: int) -> None:
+    """Raise LlamaError where the logits about to be sampled hold NaN or infinity: what corrupt weights or a dtype
+    that overflows give, and no token can be chosen from."""
+    if not torch.isfinite(logits).all():
+        raise LlamaError(f"the model produced NaN or infinite logits at position {position}; the weights may be "
+                         "corrupt, or the dtype may overflow (try dtype float32)")
+
+
 def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Nucleus sampling: draw from the smallest set of tokens whose probabilities sum past `p`.
 

@@ -19,8 +19,7 @@ from torch import nn
 
 from llama.compile.aot import PagedStep
 from llama.compile.step import compile_paged_step
-from llama.errors import LlamaError
-from llama.sampling import SamplingControls, apply_controls, check_draft, sample
+from llama.sampling import SamplingControls, apply_controls, check_draft, check_finite, sample
 from llama.model import Transformer
 from llama.runtime.progress import Progress
 
@@ -188,9 +187,7 @@ class Runner:
         if sampler is None:
             return result
         last = logits[-1 - len(row.draft) :]  # the newest token's logits, and each drafted one's
-        if not torch.isfinite(last).all():
-            raise LlamaError(f"the model produced NaN or infinite logits at position {row.start + len(row.tokens) - 1}; "
-                             "the weights may be corrupt, or the dtype may overflow (try --dtype float32)")
+        check_finite(last, row.start + len(row.tokens) - 1)
         # The log-probabilities reported stay the model's; the token is chosen from the controlled logits.
         chosen_from = last
         if sampler.controls is not None:
