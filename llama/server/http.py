@@ -239,7 +239,7 @@ class _Run:
                                  top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
                                  echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
                                  ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt,
-                                 controls=params.controls))
+                                 controls=params.controls, grammar=params.grammar))
         submitted = []
         try:
             for job in self.jobs:

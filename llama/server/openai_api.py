@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from llama.constraint import Grammar, StructuredUnavailable
 from llama.dialog import encode_dialog, has_special_tags
 from llama.errors import LlamaError
 from llama.sampling import SamplingControls
@@ -57,6 +58,7 @@ class Params:
     cache_prompt: bool = True  # llama.cpp's extension: False reuses no cached prefix (every prompt token computed)
     prompt_texts: List[str] = field(default_factory=list)  # completions' echo
     controls: Optional[SamplingControls] = None  # penalties, logit_bias, top_k, min_p; None: none asked for
+    grammar: Optional[Grammar] = None  # response_format's JSON schema or JSON object; None: free text
 
 
 def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
@@ -72,7 +74,7 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
         prompt = encode_dialog(tokenizer, dialog)
     except LlamaError as e:
         raise ApiError(400, str(e), "messages", "invalid_value") from None
-    params = _common(body, [prompt], vocab_size)
+    params = _common(body, [prompt], vocab_size, tokenizer)
     if body.get("max_completion_tokens") is not None:
         params.max_tokens = _integer(body, "max_completion_tokens", None, 1)
     if _boolean(body, "logprobs", False):
@@ -86,7 +88,7 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> Params:
     """A completion request: a prompt as a string, a list of strings, token ids, or a list of those."""
     body = _object(body)
     prompts, texts = _prompts(body.get("prompt"), tokenizer, vocab_size)
-    params = _common(body, prompts, vocab_size)
+    params = _common(body, prompts, vocab_size, tokenizer)
     params.prompt_texts = texts
     params.echo = _boolean(body, "echo", False)
     if body.get("logprobs") is not None:
@@ -256,7 +258,7 @@ def _prompts(prompt: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]], 
     return prompts, texts
 
 
-def _common(body: Dict[str, Any], prompts: List[List[int]], vocab_size: int) -> Params:
+def _common(body: Dict[str, Any], prompts: List[List[int]], vocab_size: int, tokenizer) -> Params:
     params = Params(prompts, _integer(body, "max_tokens", None, 1))
     params.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     params.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -277,7 +279,51 @@ def _common(body: Dict[str, Any], prompts: List[List[int]], vocab_size: int) -> 
     params.stop = [s for s in (stop or []) if s]
     controls = _controls(body, vocab_size)
     params.controls = controls if controls.active else None
+    params.grammar = response_format(body.get("response_format"), tokenizer)
     return params
+
+
+def response_format(value: Any, tokenizer) -> Optional[Grammar]:
+    """OpenAI's `response_format`: `{"type": "text"}` (or none), `{"type": "json_object"}`, or `{"type":
+    "json_schema", "json_schema": {"name", "schema", "strict"}}`, checked against the vocabulary. `strict` false is
+    served as true: the reply always keeps to the schema."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"Invalid type for 'response_format': expected an object, but got {_kind(value)} instead.",
+                       "response_format", "invalid_type")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            grammar = Grammar.json_object()
+        elif kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema' (and a 'name')",
+                               "response_format.json_schema", "invalid_type")
+            if spec.get("name") is not None and not isinstance(spec.get("name"), str):
+                raise ApiError(400, "'response_format.json_schema.name' must be a string",
+                               "response_format.json_schema.name", "invalid_type")
+            if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+                raise ApiError(400, "'response_format.json_schema.strict' must be a boolean",
+                               "response_format.json_schema.strict", "invalid_type")
+            schema = spec.get("schema", {})
+            if not isinstance(schema, (dict, bool)):
+                raise ApiError(400, f"Invalid type for 'response_format.json_schema.schema': expected an object, but "
+                                    f"got {_kind(schema)} instead.", "response_format.json_schema.schema", "invalid_type")
+            grammar = Grammar.json_schema(schema)
+        else:
+            raise ApiError(400, f"Invalid 'response_format.type': expected one of 'text', 'json_object' or "
+                                f"'json_schema', but got {kind!r} instead.", "response_format.type", "invalid_value")
+        grammar.check(tokenizer)
+    except StructuredUnavailable as e:
+        raise ApiError(400, f"response_format {kind!r} is not available on this server: {e}", "response_format",
+                       "structured_outputs_unavailable") from None
+    except LlamaError as e:
+        raise ApiError(400, f"Invalid 'response_format': {e}", "response_format", "invalid_json_schema") from None
+    return grammar
 
 
 def _controls(body: Dict[str, Any], vocab_size: int) -> SamplingControls:
