@@ -67,9 +67,9 @@ class Grammar:
                 raise LlamaError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise LlamaError(f"a JSON schema must be an object, not {type(schema).__name__}")
-        options = {"whitespace_pattern": JSON_WHITESPACE}
+        llg = _llguidance()
         try:
-            source = _llguidance().LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            source = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         except ValueError as e:
             raise LlamaError(f"the JSON schema is invalid: {e}") from None
         return Grammar(source, "json_schema")
@@ -86,8 +86,9 @@ class Grammar:
         Raises:
             LlamaError: GBNF that could not be read, or llguidance is missing.
         """
+        llg = _llguidance()
         try:
-            source = _llguidance().grammar_from("grammar", text)
+            source = llg.grammar_from("grammar", text)
         except ValueError as e:
             raise LlamaError(f"the grammar is invalid: {e}") from None
         return Grammar(source, "grammar")

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 from llama.dialog import has_special_tags
 from llama.cli.common import as_flags, fail, run
-from llama.cli.flags import with_model_flags
+from llama.cli.flags import STRUCTURED_RAW_FLAGS, with_model_flags
 from llama.cli.loading import (build_from_flags, check_draft_flags, check_grammar, compile_flag, controls_from_flags,
                                describe_speculation, grammar_from_flags, is_main_rank, model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
@@ -199,7 +199,7 @@ def main(
 
 
 def cli() -> None:
-    run(main, "llama-chat", raw_string_flags=("--system",))
+    run(main, "llama-chat", raw_string_flags=("--system",) + STRUCTURED_RAW_FLAGS)
 
 
 if __name__ == "__main__":

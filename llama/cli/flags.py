@@ -65,6 +65,9 @@ STRUCTURED_FLAGS = {
                "GBNF (root ::= ...).",
 }
 STRUCTURED_MARKER = "<structured output flags>"
+# Taken as typed: fire would read a schema's JSON as a Python literal, its `false` and `null` as the strings "false"
+# and "null".
+STRUCTURED_RAW_FLAGS = ("--json-schema", "--json_schema", "--grammar")
 
 
 def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str, str]] = None) -> str:

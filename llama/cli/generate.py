@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_numbers
-from llama.cli.flags import with_model_flags
+from llama.cli.flags import STRUCTURED_RAW_FLAGS, with_model_flags
 from llama.cli.loading import (build_from_flags, check_draft_flags, check_grammar, compile_flag, controls_from_flags,
                                describe_speculation, grammar_from_flags, is_main_rank, model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
@@ -327,7 +327,7 @@ def _timings(start: float, step_times: List[float], end: float) -> dict:
 
 
 def cli() -> None:
-    run(main, "llama-generate", raw_string_flags=("--prompt",))
+    run(main, "llama-generate", raw_string_flags=("--prompt",) + STRUCTURED_RAW_FLAGS)
 
 
 if __name__ == "__main__":

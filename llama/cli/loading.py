@@ -156,8 +156,8 @@ def controls_from_flags(repeat_penalty, repeat_last_n, top_k, min_p, speculating
 
 
 def grammar_from_flags(json_schema, grammar, speculating: bool):
-    """The `Grammar` that --json-schema (a file or the JSON itself; fire hands JSON over already parsed) or --grammar
-    (a file) asks for, None for neither, or a one-line error."""
+    """The `Grammar` that --json-schema (a file or the JSON itself) or --grammar (a file) asks for, None for neither,
+    or a one-line error."""
     from llama.constraint import Grammar
 
     if json_schema is None and grammar is None:
@@ -171,11 +171,11 @@ def grammar_from_flags(json_schema, grammar, speculating: bool):
             if not isinstance(grammar, str) or not Path(grammar).is_file():
                 fail(f"--grammar takes a file with a Lark or GBNF grammar; {grammar!r} is not a file")
             return Grammar.from_text(read_text_file(Path(grammar), "--grammar"))
-        if isinstance(json_schema, bool):
+        if not isinstance(json_schema, str):  # the flag with no value (True)
             fail("--json-schema takes a file or the schema's JSON, e.g. --json-schema '{\"type\": \"object\"}'")
-        if isinstance(json_schema, str) and Path(json_schema).is_file():
+        if Path(json_schema).is_file():
             json_schema = read_text_file(Path(json_schema), "--json-schema")
-        elif isinstance(json_schema, str) and not json_schema.lstrip().startswith(("{", "[")):
+        elif not json_schema.lstrip().startswith("{"):
             fail(f"--json-schema takes a file or the schema's JSON; {json_schema!r} is neither")
         return Grammar.json_schema(json_schema)
     except LlamaError as e:
