@@ -99,7 +99,9 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> Params:
 def parse_responses(body: Any, tokenizer, vocab_size: int) -> Params:
     """A Responses request, its text subset: `input` (a string, or a list of messages whose content is a string or
     text parts), `instructions` (a system message before them), `max_output_tokens`, `temperature`, `top_p`,
-    `stream`. The other fields, tools and stored state among them, are not served and are ignored."""
+    `stream`, and `text.format` (chat's `response_format` in the Responses form: the schema's `name`, `schema` and
+    `strict` beside its `type`). The other fields, tools and stored state among them, are not served and are
+    ignored."""
     body = _object(body)
     given = body.get("input")
     if isinstance(given, str):
@@ -126,11 +128,21 @@ def parse_responses(body: Any, tokenizer, vocab_size: int) -> Params:
         messages.insert(0, {"role": "system", "content": instructions})
     chat = {"messages": messages, "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "stream": body.get("stream")}
+    text = body.get("text")
+    form = text.get("format") if isinstance(text, dict) else None
+    if isinstance(form, dict) and form.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
+    elif form is not None:
+        chat["response_format"] = form
     try:
         return parse_chat(chat, tokenizer, vocab_size)
     except ApiError as e:  # in the Responses request's own terms
         e.param = {"messages": "input", "max_tokens": "max_output_tokens"}.get(e.param, e.param)
+        if e.param and e.param.startswith("response_format"):
+            e.param = "text.format" + e.param[len("response_format"):].replace(".json_schema", "", 1)
         e.message = e.message.replace("'max_tokens'", "'max_output_tokens'").replace("messages[", "input[")
+        e.message = e.message.replace("'response_format.json_schema", "'text.format").replace("'response_format",
+                                                                                              "'text.format")
         raise
 
 

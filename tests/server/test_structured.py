@@ -149,6 +149,26 @@ def test_json_object_and_completions(server, llama):
     assert text_format.choices[0].message.content == free.choices[0].message.content
 
 
+class Answer(pydantic.BaseModel):
+    answer: Literal["yes", "no", "unsure"]
+    score: Literal[1, 2, 3]
+
+
+def test_the_responses_api_takes_text_format(server, llama):
+    """`client.responses.parse(text_format=Model)` sends the schema as `text.format`; the reply is the chat one."""
+    client = server.client()
+    parsed = client.responses.parse(model="m", input="Answer in JSON.", text_format=Answer, max_output_tokens=200,
+                                    temperature=0)
+    assert isinstance(parsed.output_parsed, Answer) and parsed.status == "completed"
+    chat = client.chat.completions.parse(model="m", messages=[{"role": "user", "content": "Answer in JSON."}],
+                                         response_format=Answer, max_tokens=200, temperature=0)
+    assert parsed.output_text == chat.choices[0].message.content
+    r = httpx.post(server.url + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                   json={"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                            "schema": {"type": "nonsense"}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+
+
 @pytest.mark.parametrize("response_format, param, code, reason", [
     (as_format({"type": "nonsense"}), "response_format", "invalid_json_schema", "nonsense"),
     (as_format({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "response_format",
