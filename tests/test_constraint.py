@@ -67,6 +67,37 @@ def test_any_walk_the_mask_allows_is_valid_json(name):
         jsonschema.validate(json.loads(tokenizer.decode(generated)), SCHEMAS[name])
 
 
+def walk(tokenizer, grammar, seed):
+    """Tokens drawn uniformly from what the mask allows, to a stop token: the text."""
+    constraint, generated = Constraint(grammar, tokenizer), []
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        logits = constraint.mask(torch.zeros(tokenizer.n_words), generated)
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        if token in tokenizer.stop_ids:
+            return tokenizer.decode(generated)
+        generated.append(token)
+        assert len(generated) < 2000
+
+
+@pytest.mark.slow  # LLaMA-2's vocabulary (fetched once), and the default model's
+@pytest.mark.parametrize("which", ["llama2", "smollm2"])
+def test_real_vocabularies_walk_to_valid_json(which):
+    """LLaMA-2's SentencePiece vocabulary (32,000 pieces, byte fallback) and SmolLM2's byte-level BPE one (49,152,
+    ChatML's special tokens): every walk the mask allows validates."""
+    if which == "llama2":
+        from llama.convert.llama2_vocab import TOKENIZER_MODEL, fetch_llama2_vocab
+
+        tokenizer = Tokenizer(str(fetch_llama2_vocab() / TOKENIZER_MODEL))
+    else:
+        from llama.convert.fetch import default_model_dir
+
+        tokenizer = Tokenizer(str(default_model_dir() / "tokenizer.json"))
+    for name, schema in SCHEMAS.items():
+        for seed in range(3):
+            jsonschema.validate(json.loads(walk(tokenizer, Grammar.json_schema(schema), seed)), schema)
+
+
 def test_a_complete_reply_allows_only_the_stop_tokens():
     """"maybe, a" spelled by the longest tokens the mask allows at each step; then only the stop tokens are."""
     tokenizer = Tokenizer(str(EXAMPLE_TOKENIZER))
