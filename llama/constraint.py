@@ -3,8 +3,9 @@
 The grammar engine is llguidance (the `structured` extra): it compiles a JSON schema, or a Lark or llama.cpp GBNF
 grammar, against the tokenizer's vocabulary, and before each token says which tokens may come next. It was chosen
 over xgrammar and outlines-core, measured on a 2-core EPYC: a JSON schema compiled in about 3 ms and a mask over
-SmolLM2's 49,152 tokens took about 29 us, with no dependencies of its own (xgrammar masked faster but brings torch
-builds, transformers and triton; outlines-core compiled schemas slowly).
+SmolLM2's 49,152 tokens took about 29 us (up to about 350 us inside a number, where many tokens may follow), with no
+dependencies of its own (xgrammar masked faster but brings torch, transformers and triton; outlines-core compiled
+schemas slowly).
 
 A row's mask is a pure function of the tokens it has generated (`Constraint.mask` catches the matcher up with them),
 as the sampling controls are: a row gets the same tokens through the KV cache or without it, alone or in a batch.

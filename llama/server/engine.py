@@ -8,7 +8,9 @@ becomes its sequences (one per choice), a scheduled piece becomes a row, a sampl
 
 With speculation (`speculate="ngram"`), before each step every decoding sequence may get a draft by prompt lookup
 (llama/speculative.py), which the step checks; the tokens kept are taken one by one as sampled ones are, so stop
-tokens, stop strings and max_tokens end a choice where they would without it.
+tokens, stop strings and max_tokens end a choice where they would without it. A choice under a grammar (a
+`response_format` schema, llama/constraint.py) has a matcher of its own that its sampler masks the logits with, and
+takes plain steps.
 """
 
 import random
