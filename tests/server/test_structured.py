@@ -169,6 +169,18 @@ def test_the_responses_api_takes_text_format(server, llama):
     assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
 
 
+def test_langchain_with_structured_output(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model="m", temperature=0,
+                                      max_tokens=200, max_retries=0)
+    for method in ("json_schema", "json_mode"):
+        if method == "json_mode":  # the schema is only in the prompt: any object comes back, as a dict
+            out = llm.with_structured_output(None, method=method).invoke("Answer in JSON.")
+            assert isinstance(out, dict)
+        else:
+            assert isinstance(llm.with_structured_output(Answer, method=method).invoke("Answer in JSON."), Answer)
+
+
 @pytest.mark.parametrize("response_format, param, code, reason", [
     (as_format({"type": "nonsense"}), "response_format", "invalid_json_schema", "nonsense"),
     (as_format({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}), "response_format",

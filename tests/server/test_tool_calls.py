@@ -95,6 +95,28 @@ def test_a_history_with_calls_and_their_results(server):
     check_calls(again.message.tool_calls)
 
 
+def test_langchain_bind_tools(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add a and b."""
+        return a + b
+
+    llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model="m", temperature=0,
+                                      max_tokens=300, max_retries=0)
+    message = llm.bind_tools([add], tool_choice="required").invoke("What is 2 + 3?")
+    assert message.tool_calls and {c["name"] for c in message.tool_calls} == {"add"}
+    for call in message.tool_calls:
+        jsonschema.validate(call["args"], add.tool_call_schema.model_json_schema())
+    # The loop's second step: the calls' results go back as ToolMessages; the reply is words or calls again.
+    results = [ToolMessage(content="5", tool_call_id=c["id"]) for c in message.tool_calls]
+    answer = llm.bind_tools([add]).invoke([HumanMessage("What is 2 + 3?"), message, *results])
+    assert answer.content or answer.tool_calls
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"tools": "get_weather"}, "tools"),
