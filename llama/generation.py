@@ -14,6 +14,7 @@ from typing import Callable, Iterator, List, Optional, Set, Tuple, TypedDict, Un
 
 import torch
 
+from llama.constraint import Constraint, Grammar
 from llama.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
 from llama.compile.step import (CompileFailed, CompiledStep, compile_step, default_compile, eager_note,
@@ -308,6 +309,7 @@ class Llama:
         speculate: Union[str, Drafter, None] = None,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         controls: Optional[SamplingControls] = None,
+        grammar: Optional[Grammar] = None,
     ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
         """Continue each prompt until it emits a stop token or reaches max_gen_len new tokens (or max_seq_len).
 
@@ -323,7 +325,7 @@ class Llama:
                 cache; False feeds the whole prefix every step. The results are the same.
             on_step: called after every step with the position filled and the (bsz,) tokens put there.
             ignore_stop: run every row to max_gen_len new tokens (or max_seq_len), stop tokens included,
-                as benchmarks that need exact lengths do.
+                as benchmarks that need exact lengths do (not under a grammar, which allows nothing after a stop).
             session: a KV cache kept between calls (llama/nn/session.py), for one prompt: only the prompt's
                 tokens after the longest prefix it already holds are fed. The results are the same.
             speculate: "ngram" drafts tokens by prompt lookup and checks them in one step each
@@ -334,6 +336,10 @@ class Llama:
             draft_tokens: the most tokens a draft holds.
             controls: penalties, biases, top-k and min-p applied to each row's logits before temperature and
                 top_p (llama/sampling.py's `apply_controls`), from the row's own tokens; not with `speculate`.
+            grammar: what every row's generated text must be (llama/constraint.py's `Grammar`: a JSON schema, any
+                JSON object, or a Lark or GBNF grammar): tokens it forbids are masked before the controls, and a
+                row whose grammar is complete can only stop. Needs llguidance (the `structured` extra); not with
+                `speculate`.
 
         Returns:
             (tokens, logprobs): per prompt, the returned token ids, ending before the stop token; and
@@ -348,6 +354,9 @@ class Llama:
                                  "speculation; leave out one or the other")
         else:
             controls = None
+        if grammar is not None and speculate is not None:
+            raise LlamaError("a grammar or JSON schema cannot be used with speculation; leave out one or the other")
+        constraints = [Constraint(grammar, self.tokenizer) for _ in prompt_tokens] if grammar is not None else None
         if speculate is not None and len(prompt_tokens) > 1:  # each alone: rows keep no common pace when speculating
             runs, stats = [], SpeculationStats()
             for t in prompt_tokens:
@@ -363,7 +372,7 @@ class Llama:
         self._check_memory(bsz, total_len, logprobs, kv_cache and session is None)
         tokens, prompt_mask = self._token_buffers(prompt_tokens, total_len)
         token_logprobs = torch.zeros((bsz, total_len), dtype=torch.float, device=self.device) if logprobs else None
-        stop_list = [] if ignore_stop else self.tokenizer.stop_ids
+        stop_list = [] if ignore_stop and grammar is None else self.tokenizer.stop_ids
         stop_ids = torch.tensor(stop_list, dtype=torch.long, device=self.device)
         stopped = torch.zeros(bsz, dtype=torch.bool, device=self.device)
 
@@ -397,6 +406,12 @@ class Llama:
                     logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
                                            first=cur_pos == min_prompt_len)
                     last = logits[:, -1]
+                    if constraints is not None:
+                        # Rows still reading their prompt, or stopped, are not sampled from: they keep their logits.
+                        last = torch.stack([
+                            constraints[k].mask(last[k], tokens[k, len(t) : cur_pos].tolist())
+                            if cur_pos >= len(t) and not stopped[k] else last[k]
+                            for k, t in enumerate(prompt_tokens)])
                     if controls is not None:
                         last = torch.stack([apply_controls(last[k], controls, tokens[k, :cur_pos].tolist(), len(t))
                                             for k, t in enumerate(prompt_tokens)])
@@ -479,6 +494,7 @@ class Llama:
         kv_cache: bool = True,
         speculate: Union[str, Drafter, None] = None,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        grammar: Optional[Grammar] = None,
     ) -> List[CompletionPrediction]:
         """Continue each text prompt; see `generate` for the arguments.
 
@@ -489,7 +505,7 @@ class Llama:
         prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
         generation_tokens, generation_logprobs = self.generate(
             prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo, kv_cache, speculate=speculate,
-            draft_tokens=draft_tokens,
+            draft_tokens=draft_tokens, grammar=grammar,
         )
         if logprobs:
             return [
@@ -513,6 +529,7 @@ class Llama:
         kv_cache: bool = True,
         speculate: Union[str, Drafter, None] = None,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        grammar: Optional[Grammar] = None,
     ) -> List[ChatPrediction]:
         """The assistant's next message for each dialog, in the tokenizer's chat format (LLaMA-2's or ChatML).
 
@@ -525,7 +542,7 @@ class Llama:
         unsafe = [has_special_tags(d, self.tokenizer.chat_format) for d in dialogs]
         generation_tokens, generation_logprobs = self.generate(
             prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo=False, kv_cache=kv_cache,
-            speculate=speculate, draft_tokens=draft_tokens,
+            speculate=speculate, draft_tokens=draft_tokens, grammar=grammar,
         )
         predictions: List[ChatPrediction] = []
         for i, t in enumerate(generation_tokens):

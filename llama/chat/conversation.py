@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Union
 
+from llama.constraint import Grammar
 from llama.dialog import Dialog, Message
 from llama.errors import LlamaError
 from llama.generation import Llama, StepCallback
@@ -92,12 +93,14 @@ class Conversation:
         return Turn(candidate, prompt, dropped, min(self.max_gen_len, room))
 
     def respond(self, turn: Turn, temperature: float = 0.6, top_p: float = 0.9,
-                on_step: Optional[StepCallback] = None, controls: Optional[SamplingControls] = None) -> Reply:
-        """Generate the reply to `turn` and add the exchange to the conversation (`controls`: as `generate` takes
-        them)."""
+                on_step: Optional[StepCallback] = None, controls: Optional[SamplingControls] = None,
+                grammar: Optional[Grammar] = None) -> Reply:
+        """Generate the reply to `turn` and add the exchange to the conversation (`controls` and `grammar`: as
+        `generate` takes them)."""
         (tokens,), _ = self.llama.generate([turn.prompt], turn.max_gen_len, temperature, top_p,
                                            kv_cache=self.kv_cache, on_step=on_step, session=self.session,
-                                           speculate=self.speculate, draft_tokens=self.draft_tokens, controls=controls)
+                                           speculate=self.speculate, draft_tokens=self.draft_tokens, controls=controls,
+                                           grammar=grammar)
         text = self.llama.tokenizer.decode(tokens)
         self.dialog = turn.dialog + [{"role": "assistant", "content": text}]
         if self.session is not None:

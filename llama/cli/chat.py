@@ -7,9 +7,9 @@ from typing import List, Optional
 
 from llama.dialog import has_special_tags
 from llama.cli.common import as_flags, fail, run
-from llama.cli.flags import with_model_flags
-from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, controls_from_flags,
-                               describe_speculation, is_main_rank, model_flag, speculation_from_flags)
+from llama.cli.flags import STRUCTURED_RAW_FLAGS, with_model_flags
+from llama.cli.loading import (build_from_flags, check_draft_flags, check_grammar, compile_flag, controls_from_flags,
+                               describe_speculation, grammar_from_flags, is_main_rank, model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
 from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
@@ -69,6 +69,8 @@ def main(
     repeat_last_n: int = 64,
     top_k: int = 0,
     min_p: float = 0.0,
+    json_schema=None,
+    grammar: str = None,
 ):
     """Chat with a LLaMA model in the terminal.
 
@@ -103,6 +105,7 @@ def main(
             from another model, or damaged, is reported in one line and replaced.
         <speculation flags>
         <sampling flags>
+        <structured output flags>
     """
     ckpt_dir = model_flag(ckpt_dir, model)
     if max_gen_len < 1:
@@ -111,6 +114,7 @@ def main(
     check_draft_flags(speculate, draft_model, draft_quantize, draft_tokens, kv_cache=not no_kv_cache)
     controls = controls_from_flags(repeat_penalty, repeat_last_n, top_k, min_p,
                                    speculating=speculate is not None or draft_model is not None)
+    constraint = grammar_from_flags(json_schema, grammar, speculating=speculate is not None or draft_model is not None)
     if session is not None and no_kv_cache:
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
     if session is not None:
@@ -118,6 +122,7 @@ def main(
     llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1, seed=seed, device=device,
                              dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache), quantize=quantize,
                              quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype)
+    check_grammar(constraint, llama)
     if session is not None and llama.info.world_size > 1:
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)
@@ -179,7 +184,7 @@ def main(
                 stream.push(next_tokens[0].item())
 
         t0 = time.perf_counter()
-        reply = chat.respond(turn, temperature, top_p, on_step=on_step, controls=controls)
+        reply = chat.respond(turn, temperature, top_p, on_step=on_step, controls=controls, grammar=constraint)
         if stream is not None:
             stream.finish(reply.tokens)
             if stats and times:
@@ -194,7 +199,7 @@ def main(
 
 
 def cli() -> None:
-    run(main, "llama-chat", raw_string_flags=("--system",))
+    run(main, "llama-chat", raw_string_flags=("--system",) + STRUCTURED_RAW_FLAGS)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,18 @@ SAMPLING_FLAGS = {
              "usual value). The same text with and without the KV cache under each of these.",
 }
 SAMPLING_MARKER = "<sampling flags>"
+# What the generated text must be, on llama-generate and llama-chat (llama/constraint.py; the `structured` extra).
+STRUCTURED_FLAGS = {
+    "json_schema": "a JSON schema (a file, or the JSON itself) every reply keeps to: tokens that would break it are "
+                   "never chosen, and a reply ends when the JSON is complete. Needs pip install "
+                   "\"llama-kv[structured]\". The same text with and without the KV cache.",
+    "grammar": "a file with a grammar every reply keeps to, in llguidance's Lark form (start: ...) or llama.cpp's "
+               "GBNF (root ::= ...).",
+}
+STRUCTURED_MARKER = "<structured output flags>"
+# Taken as typed: fire would read a schema's JSON as a Python literal, its `false` and `null` as the strings "false"
+# and "null".
+STRUCTURED_RAW_FLAGS = ("--json-schema", "--json_schema", "--grammar")
 
 
 def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str, str]] = None) -> str:
@@ -70,11 +82,12 @@ def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str
 
 def with_model_flags(main: Callable) -> Callable:
     """Write the shared flags' help where `main`'s docstring says `<model flags>` (and `<speculation flags>`,
-    `<kv cache dtype flag>` or `<sampling flags>`, where it does); fire shows it as `main`'s own."""
+    `<kv cache dtype flag>`, `<sampling flags>` or `<structured output flags>`, where it does); fire shows it as `main`'s own."""
     doc = main.__doc__
     assert doc is not None and MARKER in doc, f"{main.__module__}.main's docstring has no {MARKER} line"
     for marker, flags in ((MARKER, MODEL_FLAGS), (SPECULATION_MARKER, SPECULATION_FLAGS),
-                          (KV_CACHE_DTYPE_MARKER, KV_CACHE_DTYPE_FLAG), (SAMPLING_MARKER, SAMPLING_FLAGS)):
+                          (KV_CACHE_DTYPE_MARKER, KV_CACHE_DTYPE_FLAG), (SAMPLING_MARKER, SAMPLING_FLAGS),
+                          (STRUCTURED_MARKER, STRUCTURED_FLAGS)):
         line = next((l for l in doc.splitlines() if marker in l), None)
         if line is not None:
             doc = doc.replace(line, model_flags_help(indent=len(line) - len(line.lstrip()), flags=flags))

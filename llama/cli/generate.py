@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_numbers
-from llama.cli.flags import with_model_flags
-from llama.cli.loading import (build_from_flags, check_draft_flags, compile_flag, controls_from_flags,
-                               describe_speculation, is_main_rank, model_flag, speculation_from_flags)
+from llama.cli.flags import STRUCTURED_RAW_FLAGS, with_model_flags
+from llama.cli.loading import (build_from_flags, check_draft_flags, check_grammar, compile_flag, controls_from_flags,
+                               describe_speculation, grammar_from_flags, is_main_rank, model_flag, speculation_from_flags)
 from llama.cli.streaming import TextStream
 from llama.sampling import check_sampling
 from llama.speculative import DEFAULT_DRAFT_TOKENS
@@ -78,6 +78,8 @@ def main(
     repeat_last_n: int = 64,
     top_k: int = 0,
     min_p: float = 0.0,
+    json_schema=None,
+    grammar: str = None,
 ):
     """Continue text prompts with a LLaMA model.
 
@@ -127,6 +129,7 @@ def main(
             prompts runs at batch size N.
         <speculation flags>
         <sampling flags>
+        <structured output flags>
     """
     import_s = seconds_since_start()
     ckpt_dir = model_flag(ckpt_dir, model)
@@ -149,6 +152,7 @@ def main(
     check_draft_flags(speculate, draft_model, draft_quantize, draft_tokens, kv_cache=not no_kv_cache)
     controls = controls_from_flags(repeat_penalty, repeat_last_n, top_k, min_p,
                                    speculating=speculate is not None or draft_model is not None)
+    constraint = grammar_from_flags(json_schema, grammar, speculating=speculate is not None or draft_model is not None)
     if len(prompts) > max_batch_size:
         fail(f"{len(prompts)} prompts exceed --max-batch-size {max_batch_size}; raise it or split the file")
 
@@ -165,6 +169,7 @@ def main(
     drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
                                      compile_flag(compile, no_compile, no_kv_cache), quant_kernels, draft_tokens)
     load_s = time.perf_counter() - load_start
+    check_grammar(constraint, llama)
     if prompt_cache is not None and llama.info.world_size > 1:
         fail("--prompt-cache runs in one process, not under torchrun")
     tokenizer = llama.tokenizer
@@ -197,6 +202,7 @@ def main(
         prompt_tokens, max_gen_len, temperature, top_p, logprobs=logprobs, echo=echo,
         kv_cache=not no_kv_cache, on_step=on_step, session=cached.session if cached else None,
         speculate=drafter, draft_tokens=draft_tokens, controls=controls,
+        grammar=constraint,
     )
     end = time.perf_counter()
     if cached is not None:
@@ -321,7 +327,7 @@ def _timings(start: float, step_times: List[float], end: float) -> dict:
 
 
 def cli() -> None:
-    run(main, "llama-generate", raw_string_flags=("--prompt",))
+    run(main, "llama-generate", raw_string_flags=("--prompt",) + STRUCTURED_RAW_FLAGS)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,49 @@ def controls_from_flags(repeat_penalty, repeat_last_n, top_k, min_p, speculating
     return controls
 
 
+def grammar_from_flags(json_schema, grammar, speculating: bool):
+    """The `Grammar` that --json-schema (a file or the JSON itself) or --grammar (a file) asks for, None for neither,
+    or a one-line error."""
+    from llama.constraint import Grammar
+
+    if json_schema is None and grammar is None:
+        return None
+    if json_schema is not None and grammar is not None:
+        fail("--json-schema and --grammar each constrain the reply; give one of them")
+    if speculating:
+        fail("--json-schema and --grammar cannot be used with --speculate or --draft-model; leave out one or the other")
+    try:
+        if grammar is not None:
+            if not isinstance(grammar, str) or not Path(grammar).is_file():
+                fail(f"--grammar takes a file with a Lark or GBNF grammar; {grammar!r} is not a file")
+            return Grammar.from_text(read_text_file(Path(grammar), "--grammar"))
+        if not isinstance(json_schema, str):  # the flag with no value (True)
+            fail("--json-schema takes a file or the schema's JSON, e.g. --json-schema '{\"type\": \"object\"}'")
+        if Path(json_schema).is_file():
+            json_schema = read_text_file(Path(json_schema), "--json-schema")
+        elif not json_schema.lstrip().startswith("{"):
+            fail(f"--json-schema takes a file or the schema's JSON; {json_schema!r} is neither")
+        return Grammar.json_schema(json_schema)
+    except LlamaError as e:
+        fail(str(e))
+
+
+def read_text_file(path: Path, flag: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"{flag}: cannot read {path}: {e}")
+
+
+def check_grammar(grammar, llama: Llama) -> None:
+    """A one-line error where the grammar cannot be compiled against the model's vocabulary."""
+    if grammar is not None:
+        try:
+            grammar.check(llama.tokenizer)
+        except LlamaError as e:
+            fail(str(e))
+
+
 def speculation_from_flags(llama: Llama, speculate: Optional[str], draft_model: Optional[str],
                            draft_quantize: Optional[str], device: Optional[str], dtype: Optional[str],
                            compile: Union[bool, str], quant_kernels: str, draft_tokens: int):

@@ -8,7 +8,9 @@ becomes its sequences (one per choice), a scheduled piece becomes a row, a sampl
 
 With speculation (`speculate="ngram"`), before each step every decoding sequence may get a draft by prompt lookup
 (llama/speculative.py), which the step checks; the tokens kept are taken one by one as sampled ones are, so stop
-tokens, stop strings and max_tokens end a choice where they would without it.
+tokens, stop strings and max_tokens end a choice where they would without it. A choice under a grammar (a
+`response_format` schema, llama/constraint.py) has a matcher of its own that its sampler masks the logits with, and
+takes plain steps.
 """
 
 import random
@@ -21,6 +23,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple
 
 import torch
 
+from llama.constraint import Constraint, Grammar
 from llama.detokenize import TextState
 from llama.server.disk_cache import DiskCache
 from llama.sampling import SamplingControls
@@ -92,6 +95,9 @@ class Job:
     with seed + i. `logprobs` None reports none; k reports each token's and the k likeliest alternatives'.
     `cache_prompt` False computes the whole prompt even where the cache holds a prefix of it (same answer).
     `controls` change each choice's logits before sampling (llama/sampling.py), from the choice's own tokens.
+    `grammar` constrains each choice's tokens (llama/constraint.py): its own matcher masks its logits before the
+    controls; such a choice gets no drafts, and a stop token ends it even with `ignore_eos` (the grammar allows
+    nothing after it).
     """
 
     prompt: List[int]
@@ -108,6 +114,7 @@ class Job:
     text_context: bool = False  # decode completions after the prompt's last tokens (keeps a leading space)
     cache_prompt: bool = True
     controls: Optional[SamplingControls] = None
+    grammar: Optional[Grammar] = None
     sequences: List[Sequence] = field(default_factory=list)
     remaining: int = 0
     drafted: int = 0  # speculation's tokens drafted and checked, over its choices
@@ -299,10 +306,12 @@ class Engine:
             seed = (job.seed + i) % 2**64 if job.seed is not None else random.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
             context = job.prompt if job.text_context else ()
-            speculation = Speculation(self.draft_tokens, new_drafter(self.speculate)) if self.speculate else None
+            constraint = Constraint(job.grammar, self.tokenizer) if job.grammar is not None else None
+            speculation = (Speculation(self.draft_tokens, new_drafter(self.speculate))
+                           if self.speculate and constraint is None else None)
             self._choices[seq] = _Choice(job, i, TextState(self.tokenizer, job.stop, context),
                                          Sampler(job.temperature, job.top_p, generator, job.logprobs, controls,
-                                                 len(job.prompt)), speculation)
+                                                 len(job.prompt), constraint), speculation)
             job.sequences.append(seq)
             self.scheduler.add(seq)
         job.remaining = job.n
@@ -375,11 +384,12 @@ class Engine:
         # Echoed prompt log-probabilities: each fed prompt token scores the prompt token after it.
         scored = seq.tokens[piece.start + 1 : min(end + 1, seq.prompt_len)] if piece.all_logits else []
         sampler = self._choices[seq].sampler
+        reads_history = sampler.controls is not None or sampler.constraint is not None
         if piece.draft:
             history = seq.tokens[: piece.start + 1] if sampler.controls is not None else []
             return Row(seq.tokens[piece.start : piece.start + 1], piece.start, list(seq.blocks), sampler=sampler,
                        draft=list(piece.draft), history=history)
-        history = seq.tokens[:end] if sampler.controls is not None and piece.sample else []
+        history = seq.tokens[:end] if reads_history and piece.sample else []
         return Row(seq.tokens[piece.start : end], piece.start, list(seq.blocks), scored, sampler.top_logprobs or 0,
                    sampler if piece.sample else None, history=history)
 
@@ -405,7 +415,7 @@ class Engine:
         for i, token in enumerate(result.tokens):
             seq.append(token)
             self.generation_tokens_total += 1
-            if token in self.stop_ids and not choice.job.ignore_eos:
+            if token in self.stop_ids and (not choice.job.ignore_eos or choice.sampler.constraint is not None):
                 self._end(seq, choice, text + choice.text.finish(), "stop")
                 return
             if choice.job.logprobs is not None:

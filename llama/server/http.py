@@ -25,6 +25,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs, Unavailable
+from llama.server.tools import read_calls
 from llama.server.openai_api import (
     ApiError, Params, chat_logprobs, check_lengths, completion_logprobs, error_body, new_id, now, parse_chat,
     parse_completion, parse_responses, response_usage, usage,
@@ -120,9 +121,11 @@ async def _chat(state: ServerState, request: Request) -> Response:
     if params.stream:
         return await _stream(run, _chat_chunks(state, run, params, rid, created))
     texts, logprobs, reasons = await _collect(run, params.n)
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": chat_logprobs(state.tokenizer, logprobs[i]) if params.logprobs is not None else None,
-                "finish_reason": reasons[i]} for i in range(params.n)]
+    choices = []
+    for i in range(params.n):
+        message, reason = _chat_message(params, texts[i], reasons[i])
+        choices.append({"index": i, "message": message, "finish_reason": reason,
+                        "logprobs": chat_logprobs(state.tokenizer, logprobs[i]) if params.logprobs is not None else None})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_id,
                          "system_fingerprint": None, "choices": choices, "usage": run.usage()})
 
@@ -239,7 +242,7 @@ class _Run:
                                  top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
                                  echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
                                  ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt,
-                                 controls=params.controls))
+                                 controls=params.controls, grammar=params.grammar))
         submitted = []
         try:
             for job in self.jobs:
@@ -329,6 +332,15 @@ async def _collect(run: _Run, n_choices: int):
     return texts, logprobs, reasons
 
 
+def _chat_message(params: Params, text: str, reason: Optional[str]):
+    """A chat choice's message and finish reason: the text, or where the request has tools and the reply calls them,
+    the calls (finish reason "tool_calls" when the reply ended by itself)."""
+    calls = read_calls(text) if params.tools is not None else None
+    if not calls:
+        return {"role": "assistant", "content": text}, reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if reason == "stop" else reason)
+
+
 async def _chat_chunks(state: ServerState, run: _Run, params: Params, rid: str, created: int):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
             "system_fingerprint": None}
@@ -340,8 +352,20 @@ async def _chat_chunks(state: ServerState, run: _Run, params: Params, rid: str, 
 
     for i in range(params.n):
         yield chunk(i, {"role": "assistant", "content": ""})
+    held = [""] * params.n  # with tools: a choice's text, sent at its end as text or as calls
     async for _, event in run.events():
         if not isinstance(event, Delta):
+            continue
+        if params.tools is not None:
+            held[event.index] += event.text
+            if event.finish_reason:
+                message, reason = _chat_message(params, held[event.index], event.finish_reason)
+                if message.get("tool_calls"):
+                    yield chunk(event.index, {"tool_calls": [{"index": j, **call}
+                                                             for j, call in enumerate(message["tool_calls"])]})
+                elif message["content"]:
+                    yield chunk(event.index, {"content": message["content"]})
+                yield chunk(event.index, {}, None, reason)
             continue
         if event.text or event.logprobs:
             lps = chat_logprobs(state.tokenizer, event.logprobs) if params.logprobs is not None else None

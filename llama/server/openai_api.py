@@ -5,15 +5,18 @@ into OpenAI's one error shape here and nowhere else: `{"error": {"message", "typ
 Unknown fields are ignored, as OpenAI's own server does for fields it does not use.
 """
 
+import json
 import math
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from llama.constraint import Grammar, StructuredUnavailable
 from llama.dialog import encode_dialog, has_special_tags
 from llama.errors import LlamaError
 from llama.sampling import SamplingControls
+from llama.server import tools as tool_calls
 from llama.server.engine import TokenLogprob
 from llama.server.text import token_bytes, token_text
 
@@ -57,6 +60,8 @@ class Params:
     cache_prompt: bool = True  # llama.cpp's extension: False reuses no cached prefix (every prompt token computed)
     prompt_texts: List[str] = field(default_factory=list)  # completions' echo
     controls: Optional[SamplingControls] = None  # penalties, logit_bias, top_k, min_p; None: none asked for
+    grammar: Optional[Grammar] = None  # response_format's JSON schema or JSON object, or the tools'; None: free text
+    tools: Optional[tool_calls.ToolUse] = None  # the tools a chat reply may call (not with tool_choice "none")
 
 
 def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
@@ -65,14 +70,33 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of messages", "messages", "invalid_type")
-    dialog = [_message(m, i) for i, m in enumerate(messages)]
+    dialog = _merge_tool_results([_message(m, i) for i, m in enumerate(messages)])
+    use = _tools(body)
+    if use is not None and body.get("response_format") not in (None, {"type": "text"}):
+        raise ApiError(400, "'response_format' and 'tools' each constrain the reply; give one of them", "response_format",
+                       "invalid_value")
+    if use is not None:  # the tools go first in the system message, where the model looks for them
+        system = tool_calls.system_text(use)
+        if dialog[0]["role"] == "system":
+            dialog[0] = {"role": "system", "content": system + "\n\n" + dialog[0]["content"]}
+        else:
+            dialog.insert(0, {"role": "system", "content": system})
     if has_special_tags(dialog, getattr(tokenizer, "chat_format", "llama2")):
         raise ApiError(400, "messages may not contain the chat format's own tags", "messages", "invalid_value")
     try:
         prompt = encode_dialog(tokenizer, dialog)
     except LlamaError as e:
         raise ApiError(400, str(e), "messages", "invalid_value") from None
-    params = _common(body, [prompt], vocab_size)
+    params = _common(body, [prompt], vocab_size, tokenizer)
+    if use is not None:
+        params.tools, params.grammar = use, tool_calls.grammar(use)
+        try:
+            params.grammar.check(tokenizer)
+        except StructuredUnavailable as e:
+            raise ApiError(400, f"'tools' are not available on this server: {e}", "tools",
+                           "structured_outputs_unavailable") from None
+        except LlamaError as e:
+            raise ApiError(400, f"Invalid 'tools': {e}", "tools", "invalid_value") from None
     if body.get("max_completion_tokens") is not None:
         params.max_tokens = _integer(body, "max_completion_tokens", None, 1)
     if _boolean(body, "logprobs", False):
@@ -86,7 +110,7 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> Params:
     """A completion request: a prompt as a string, a list of strings, token ids, or a list of those."""
     body = _object(body)
     prompts, texts = _prompts(body.get("prompt"), tokenizer, vocab_size)
-    params = _common(body, prompts, vocab_size)
+    params = _common(body, prompts, vocab_size, tokenizer)
     params.prompt_texts = texts
     params.echo = _boolean(body, "echo", False)
     if body.get("logprobs") is not None:
@@ -97,7 +121,9 @@ def parse_completion(body: Any, tokenizer, vocab_size: int) -> Params:
 def parse_responses(body: Any, tokenizer, vocab_size: int) -> Params:
     """A Responses request, its text subset: `input` (a string, or a list of messages whose content is a string or
     text parts), `instructions` (a system message before them), `max_output_tokens`, `temperature`, `top_p`,
-    `stream`. The other fields, tools and stored state among them, are not served and are ignored."""
+    `stream`, and `text.format` (chat's `response_format` in the Responses form: the schema's `name`, `schema` and
+    `strict` beside its `type`). The other fields, tools and stored state among them, are not served and are
+    ignored."""
     body = _object(body)
     given = body.get("input")
     if isinstance(given, str):
@@ -124,11 +150,21 @@ def parse_responses(body: Any, tokenizer, vocab_size: int) -> Params:
         messages.insert(0, {"role": "system", "content": instructions})
     chat = {"messages": messages, "max_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
             "top_p": body.get("top_p"), "stream": body.get("stream")}
+    text = body.get("text")
+    form = text.get("format") if isinstance(text, dict) else None
+    if isinstance(form, dict) and form.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
+    elif form is not None:
+        chat["response_format"] = form
     try:
         return parse_chat(chat, tokenizer, vocab_size)
     except ApiError as e:  # in the Responses request's own terms
         e.param = {"messages": "input", "max_tokens": "max_output_tokens"}.get(e.param, e.param)
+        if e.param and e.param.startswith("response_format"):
+            e.param = "text.format" + e.param[len("response_format"):].replace(".json_schema", "", 1)
         e.message = e.message.replace("'max_tokens'", "'max_output_tokens'").replace("messages[", "input[")
+        e.message = e.message.replace("'response_format.json_schema", "'text.format").replace("'response_format",
+                                                                                              "'text.format")
         raise
 
 
@@ -210,12 +246,21 @@ def _message(m: Any, i: int) -> Dict[str, str]:
     if not isinstance(m, dict):
         raise ApiError(400, f"messages[{i}] must be an object with a role and content", "messages", "invalid_type")
     role = "system" if m.get("role") == "developer" else m.get("role")
-    if role not in ROLES:
-        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, not {m.get('role')!r}",
+    if role not in ROLES + ("tool",):
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES + ('tool',))}, not {m.get('role')!r}",
                        "messages", "invalid_value")
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if calls:  # the calls go back into the prompt as the model wrote them
+        try:
+            written = [tool_calls.call_text(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                       for c in calls]
+        except (TypeError, KeyError, ValueError):
+            raise ApiError(400, f"messages[{i}].tool_calls must each be {{'type': 'function', 'function': {{'name': "
+                                "..., 'arguments': JSON text}}", "messages", "invalid_value") from None
+        content = "\n".join(([content] if isinstance(content, str) and content else []) + written)
     if isinstance(content, list):  # content parts: only text ones
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ApiError(400, f"messages[{i}].content parts must all be text ({{'type': 'text', 'text': ...}})",
@@ -223,7 +268,55 @@ def _message(m: Any, i: int) -> Dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
+    if role == "tool":
+        return {"role": "tool", "content": tool_calls.response_text(content)}
     return {"role": role, "content": content}
+
+
+def _merge_tool_results(dialog: List[Dict[str, str]]) -> List[Dict[str, str]]:
+    """Tool results as one user turn after the assistant's calls (the chat formats alternate user and assistant)."""
+    out: List[Dict[str, str]] = []
+    for m in dialog:
+        if m["role"] == "tool" and out and out[-1].get("tool"):
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + m["content"]}
+        elif m["role"] == "tool":
+            out.append({"role": "user", "content": m["content"], "tool": True})
+        else:
+            out.append(m)
+    return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def _tools(body: Dict[str, Any]) -> Optional[tool_calls.ToolUse]:
+    """`tools`, `tool_choice` and `parallel_tool_calls`, checked; None where no tool may be called."""
+    given = body.get("tools")
+    if given is None or given == []:
+        return None
+    if not isinstance(given, list):
+        raise ApiError(400, f"Invalid type for 'tools': expected an array, but got {_kind(given)} instead.", "tools",
+                       "invalid_type")
+    tools = []
+    for i, t in enumerate(given):
+        f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                                "...}}", "tools", "invalid_value")
+        parameters = f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools", "invalid_type")
+        tools.append(tool_calls.Tool(f["name"], str(f.get("description") or ""), parameters))
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type", "function") == "function" else None
+        if name not in [t.name for t in tools]:
+            raise ApiError(400, f"'tool_choice' names {name!r}, which is not one of the tools", "tool_choice",
+                           "invalid_value")
+        choice = name
+    elif choice == "none":
+        return None
+    elif choice not in ("auto", "required"):
+        raise ApiError(400, f"Invalid 'tool_choice': expected 'none', 'auto', 'required' or a function, but got "
+                            f"{choice!r} instead.", "tool_choice", "invalid_value")
+    return tool_calls.ToolUse(tuple(tools), choice, _boolean(body, "parallel_tool_calls", True))
 
 
 def _prompts(prompt: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]], List[str]]:
@@ -256,7 +349,7 @@ def _prompts(prompt: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]], 
     return prompts, texts
 
 
-def _common(body: Dict[str, Any], prompts: List[List[int]], vocab_size: int) -> Params:
+def _common(body: Dict[str, Any], prompts: List[List[int]], vocab_size: int, tokenizer) -> Params:
     params = Params(prompts, _integer(body, "max_tokens", None, 1))
     params.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     params.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -277,7 +370,51 @@ def _common(body: Dict[str, Any], prompts: List[List[int]], vocab_size: int) -> 
     params.stop = [s for s in (stop or []) if s]
     controls = _controls(body, vocab_size)
     params.controls = controls if controls.active else None
+    params.grammar = response_format(body.get("response_format"), tokenizer)
     return params
+
+
+def response_format(value: Any, tokenizer) -> Optional[Grammar]:
+    """OpenAI's `response_format`: `{"type": "text"}` (or none), `{"type": "json_object"}`, or `{"type":
+    "json_schema", "json_schema": {"name", "schema", "strict"}}`, checked against the vocabulary. `strict` false is
+    served as true: the reply always keeps to the schema."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"Invalid type for 'response_format': expected an object, but got {_kind(value)} instead.",
+                       "response_format", "invalid_type")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            grammar = Grammar.json_object()
+        elif kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ApiError(400, "'response_format.json_schema' must be an object with a 'schema' (and a 'name')",
+                               "response_format.json_schema", "invalid_type")
+            if spec.get("name") is not None and not isinstance(spec.get("name"), str):
+                raise ApiError(400, "'response_format.json_schema.name' must be a string",
+                               "response_format.json_schema.name", "invalid_type")
+            if spec.get("strict") is not None and not isinstance(spec.get("strict"), bool):
+                raise ApiError(400, "'response_format.json_schema.strict' must be a boolean",
+                               "response_format.json_schema.strict", "invalid_type")
+            schema = spec.get("schema", {})
+            if not isinstance(schema, (dict, bool)):
+                raise ApiError(400, f"Invalid type for 'response_format.json_schema.schema': expected an object, but "
+                                    f"got {_kind(schema)} instead.", "response_format.json_schema.schema", "invalid_type")
+            grammar = Grammar.json_schema(schema)
+        else:
+            raise ApiError(400, f"Invalid 'response_format.type': expected one of 'text', 'json_object' or "
+                                f"'json_schema', but got {kind!r} instead.", "response_format.type", "invalid_value")
+        grammar.check(tokenizer)
+    except StructuredUnavailable as e:
+        raise ApiError(400, f"response_format {kind!r} is not available on this server: {e}", "response_format",
+                       "structured_outputs_unavailable") from None
+    except LlamaError as e:
+        raise ApiError(400, f"Invalid 'response_format': {e}", "response_format", "invalid_json_schema") from None
+    return grammar
 
 
 def _controls(body: Dict[str, Any], vocab_size: int) -> SamplingControls:

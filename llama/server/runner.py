@@ -19,6 +19,7 @@ from torch import nn
 
 from llama.compile.aot import PagedStep
 from llama.compile.step import compile_paged_step
+from llama.constraint import Constraint
 from llama.sampling import SamplingControls, apply_controls, check_draft, check_finite, sample
 from llama.model import Transformer
 from llama.runtime.progress import Progress
@@ -34,6 +35,7 @@ class Sampler:
     top_logprobs: Optional[int] = None  # None: no log-probabilities; k: the chosen token's and the k likeliest
     controls: Optional[SamplingControls] = None  # penalties, biases, top-k, min-p (llama/sampling.py); None: none
     prompt_len: int = 0  # how many of a row's `history` are its prompt (the penalties count what follows)
+    constraint: Optional[Constraint] = None  # a grammar the generated tokens keep to (llama/constraint.py); None: none
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Row:
     scored_top: int = 0  # and the likeliest this many alternatives at each
     sampler: Optional[Sampler] = None  # None: nothing is sampled from this row
     draft: List[int] = field(default_factory=list)  # tokens to check after the one token fed, at the next positions
-    # Every token of the sequence up to the last one fed, where the sampler has controls that read them.
+    # Every token of the sequence up to the last one fed, where the sampler has controls or a constraint that read them.
     history: List[int] = field(default_factory=list)
 
     @property
@@ -188,12 +190,15 @@ class Runner:
             return result
         last = logits[-1 - len(row.draft) :]  # the newest token's logits, and each drafted one's
         check_finite(last, row.start + len(row.tokens) - 1)
-        # The log-probabilities reported stay the model's; the token is chosen from the controlled logits.
+        # The log-probabilities reported stay the model's; the token is chosen from the masked, controlled logits.
         chosen_from = last
+        if sampler.constraint is not None:  # the engine drafts nothing for a constrained row
+            assert not row.draft, "a constrained row has no draft"
+            chosen_from = sampler.constraint.mask(last[0], row.history[sampler.prompt_len :])[None]
         if sampler.controls is not None:
             # Each drafted position's tokens so far are the history and the drafted ones before it, as the plain
             # decode would have them there.
-            chosen_from = torch.stack([apply_controls(last[i], sampler.controls, row.history + row.draft[:i],
+            chosen_from = torch.stack([apply_controls(chosen_from[i], sampler.controls, row.history + row.draft[:i],
                                                       sampler.prompt_len) for i in range(last.shape[0])])
         if row.draft:
             result.tokens = check_draft(chosen_from, row.draft, sampler.temperature, sampler.top_p, sampler.generator)
