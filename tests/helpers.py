@@ -447,3 +447,20 @@ class Always:
                 follow = tokens[i + 1 : i + 1 + k]
                 return follow + [last] * (k - len(follow))
         return [last] * k
+
+
+# JSON schemas for structured outputs (tests/test_constraint.py, tests/server/test_structured.py), each one finite: every string, array and number is bounded, so any path through it ends, whatever a random model
+# picks (the whitespace between tokens is bounded too: llama/constraint.py's JSON_WHITESPACE).
+FINITE_SCHEMAS = {
+    "nested": {"type": "object", "additionalProperties": False, "required": ["user", "active"],
+               "properties": {"user": {"type": "object", "additionalProperties": False, "required": ["name", "id"],
+                                       "properties": {"name": {"type": "string", "maxLength": 6},
+                                                      "id": {"type": "integer", "minimum": 0, "maximum": 999}}},
+                              "active": {"type": "boolean"}}},
+    "enum": {"type": "object", "additionalProperties": False, "required": ["answer"],
+             "properties": {"answer": {"enum": ["yes", "no", "unsure"]}}},
+    "array": {"type": "array", "items": {"enum": [1, 2, 3, "x"]}, "minItems": 1, "maxItems": 4},
+    "numbers": {"type": "object", "additionalProperties": False, "required": ["n", "price"],
+                "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5},
+                               "price": {"enum": [0.5, 1.25, 100]}}},
+}

@@ -11,29 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("llguidance")
-jsonschema = pytest.importorskip("jsonschema")
+import jsonschema  # noqa: E402  (the test extra has it, and llguidance)
 
-from helpers import EXAMPLE_TOKENIZER, assert_one_line_error, build, generate_json, run  # noqa: E402
+from helpers import EXAMPLE_TOKENIZER, FINITE_SCHEMAS, assert_one_line_error, build, generate_json, run  # noqa: E402
 from llama import Grammar, LlamaError  # noqa: E402
 from llama.constraint import INSTALL_HINT, Constraint, StructuredUnavailable  # noqa: E402
 from llama.tokenizer import Tokenizer, token_bytes  # noqa: E402
 
-# Each one finite: every string, array and number is bounded, so any path through it ends, whatever a random model
-# picks (the whitespace between tokens is bounded too: llama/constraint.py's JSON_WHITESPACE).
-SCHEMAS = {
-    "nested": {"type": "object", "additionalProperties": False, "required": ["user", "active"],
-               "properties": {"user": {"type": "object", "additionalProperties": False, "required": ["name", "id"],
-                                       "properties": {"name": {"type": "string", "maxLength": 6},
-                                                      "id": {"type": "integer", "minimum": 0, "maximum": 999}}},
-                              "active": {"type": "boolean"}}},
-    "enum": {"type": "object", "additionalProperties": False, "required": ["answer"],
-             "properties": {"answer": {"enum": ["yes", "no", "unsure"]}}},
-    "array": {"type": "array", "items": {"enum": [1, 2, 3, "x"]}, "minItems": 1, "maxItems": 4},
-    "numbers": {"type": "object", "additionalProperties": False, "required": ["n", "price"],
-                "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5},
-                               "price": {"enum": [0.5, 1.25, 100]}}},
-}
 GRAMMAR = 'root ::= "yes" | "no" | "maybe, " ("a" | "b")'
 
 
@@ -46,13 +30,13 @@ def encode(llama, text):
     return llama.tokenizer.encode(text, bos=True, eos=False)
 
 
-@pytest.mark.parametrize("name", list(SCHEMAS))
+@pytest.mark.parametrize("name", list(FINITE_SCHEMAS))
 def test_any_walk_the_mask_allows_is_valid_json(name):
     """Tokens drawn uniformly from what the mask allows, SentencePiece's byte tokens and duplicates among them: the
     text always ends at a stop token and validates. The walk is not a model's choice, so it reaches corners no greedy
     run would."""
     tokenizer = Tokenizer(str(EXAMPLE_TOKENIZER))
-    grammar = Grammar.json_schema(SCHEMAS[name])
+    grammar = Grammar.json_schema(FINITE_SCHEMAS[name])
     for seed in range(8):
         constraint, generated = Constraint(grammar, tokenizer), []
         gen = torch.Generator().manual_seed(seed)
@@ -64,7 +48,7 @@ def test_any_walk_the_mask_allows_is_valid_json(name):
                 break
             generated.append(token)
             assert len(generated) < 600
-        jsonschema.validate(json.loads(tokenizer.decode(generated)), SCHEMAS[name])
+        jsonschema.validate(json.loads(tokenizer.decode(generated)), FINITE_SCHEMAS[name])
 
 
 def walk(tokenizer, grammar, seed):
@@ -93,7 +77,7 @@ def test_real_vocabularies_walk_to_valid_json(which):
         from llama.convert.fetch import default_model_dir
 
         tokenizer = Tokenizer(str(default_model_dir() / "tokenizer.json"))
-    for name, schema in SCHEMAS.items():
+    for name, schema in FINITE_SCHEMAS.items():
         for seed in range(3):
             jsonschema.validate(json.loads(walk(tokenizer, Grammar.json_schema(schema), seed)), schema)
 
@@ -139,7 +123,7 @@ def test_cached_uncached_alone_and_batched_give_the_same_tokens(llama, temperatu
     """The switch under a constraint: with and without the KV cache, and a row in a batch of prompts of different
     lengths against the same row alone (greedy; sampled rows draw from one generator, so only the switch is
     compared there)."""
-    grammar = Grammar.json_schema(SCHEMAS["nested"])
+    grammar = Grammar.json_schema(FINITE_SCHEMAS["nested"])
     prompts = [encode(llama, "Hello"), encode(llama, "The capital of France is"), encode(llama, "a b c d e f g")]
     llama.generator.manual_seed(5)
     cached, _ = llama.generate(prompts, 400, temperature=temperature, grammar=grammar)
@@ -148,7 +132,7 @@ def test_cached_uncached_alone_and_batched_give_the_same_tokens(llama, temperatu
     assert cached == uncached
     for tokens in cached:
         assert len(tokens) < 400  # ended at a stop token
-        jsonschema.validate(json.loads(llama.tokenizer.decode(tokens)), SCHEMAS["nested"])
+        jsonschema.validate(json.loads(llama.tokenizer.decode(tokens)), FINITE_SCHEMAS["nested"])
     if temperature == 0:
         for prompt, tokens in zip(prompts, cached):
             assert llama.generate([prompt], 400, temperature=0, grammar=grammar)[0][0] == tokens
@@ -195,13 +179,13 @@ def test_without_llguidance_the_error_says_what_to_install(monkeypatch):
 @pytest.mark.slow  # commands in subprocesses
 def test_the_commands_flags(nonstop_ckpt, tmp_path):
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps(SCHEMAS["numbers"]))
+    schema.write_text(json.dumps(FINITE_SCHEMAS["numbers"]))
     cached = generate_json(nonstop_ckpt, "--prompt", "Hello", "--json-schema", str(schema), max_gen_len=200)[0]
     uncached = generate_json(nonstop_ckpt, "--prompt", "Hello", "--json-schema", str(schema), "--no-kv-cache",
                              max_gen_len=200)[0]
     assert cached["tokens"] == uncached["tokens"]
-    jsonschema.validate(json.loads(cached["text"]), SCHEMAS["numbers"])
-    inline = generate_json(nonstop_ckpt, "--prompt", "Hello", "--json-schema", json.dumps(SCHEMAS["numbers"]),
+    jsonschema.validate(json.loads(cached["text"]), FINITE_SCHEMAS["numbers"])
+    inline = generate_json(nonstop_ckpt, "--prompt", "Hello", "--json-schema", json.dumps(FINITE_SCHEMAS["numbers"]),
                            max_gen_len=200)[0]
     assert inline["tokens"] == cached["tokens"]
     grammar = tmp_path / "answer.gbnf"
@@ -213,7 +197,7 @@ def test_the_commands_flags(nonstop_ckpt, tmp_path):
             "--max-gen-len", "200", input="Hi\n")
     assert r.returncode == 0, r.stderr
     reply = r.stdout[r.stdout.index("{") : r.stdout.rindex("}") + 1]
-    jsonschema.validate(json.loads(reply), SCHEMAS["numbers"])
+    jsonschema.validate(json.loads(reply), FINITE_SCHEMAS["numbers"])
 
 
 @pytest.mark.slow  # commands in subprocesses

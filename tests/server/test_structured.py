@@ -16,27 +16,17 @@ import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("llguidance")
-jsonschema = pytest.importorskip("jsonschema")
-pydantic = pytest.importorskip("pydantic")
+import jsonschema  # noqa: E402  (the test extra has it, pydantic and llguidance)
+import pydantic  # noqa: E402
 
-from helpers import KEY, Server, build, make_engine, run_jobs  # noqa: E402
+from helpers import FINITE_SCHEMAS, KEY, Server, build, make_engine, run_jobs  # noqa: E402
 from llama import Grammar  # noqa: E402
 from llama.sampling import SamplingControls  # noqa: E402
 from llama.server.engine import Job  # noqa: E402
 
 MAX_SEQ_LEN = 512
-# Finite schemas, as tests/test_constraint.py's: whatever the tiny model picks, the reply ends within max_tokens.
-TINY_SCHEMAS = {
-    "nested": {"type": "object", "additionalProperties": False, "required": ["user", "ok"],
-               "properties": {"user": {"type": "object", "additionalProperties": False, "required": ["name", "id"],
-                                       "properties": {"name": {"type": "string", "maxLength": 5},
-                                                      "id": {"type": "integer", "minimum": 0, "maximum": 99}}},
-                              "ok": {"type": "boolean"}}},
-    "enum": {"type": "object", "additionalProperties": False, "required": ["answer"],
-             "properties": {"answer": {"enum": ["yes", "no", "unsure"]}}},
-    "array": {"type": "array", "items": {"enum": [1, 2, "x"]}, "minItems": 1, "maxItems": 3},
-}
+# tests/helpers.py's finite schemas: whatever the tiny model picks, the reply ends within max_tokens.
+TINY_SCHEMAS = {name: FINITE_SCHEMAS[name] for name in ("nested", "enum", "array")}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +160,7 @@ def test_the_responses_api_takes_text_format(server, llama):
 
 
 def test_langchain_with_structured_output(server):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai
     llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model="m", temperature=0,
                                       max_tokens=200, max_retries=0)
     for method in ("json_schema", "json_mode"):
