@@ -43,7 +43,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import fire
 import httpx
@@ -174,13 +174,9 @@ def has_content(payload: Dict[str, object]) -> bool:
     return any((choice.get("delta") or {}).get("content") for choice in payload.get("choices") or [])
 
 
-async def one_request(client: httpx.AsyncClient, url: str, k: int) -> Dict[str, float]:
-    """One streamed chat request; its time to first token, time per output token and tokens."""
-    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
-            "ignore_eos": True, "max_tokens": MAX_TOKENS[k % len(MAX_TOKENS)],
-            "messages": [{"role": "system", "content": SYSTEMS[k % len(SYSTEMS)]},
-                         {"role": "user", "content": QUESTIONS[(k // len(SYSTEMS)) % len(QUESTIONS)]}]}
-    start = time.perf_counter()
+async def first_last_tokens(client: httpx.AsyncClient, url: str, body: dict) -> Tuple[Optional[float], Optional[float], int]:
+    """One streamed chat request: when its first and last content arrived (None for none) and its tokens (the
+    usage chunk's count, else the content chunks')."""
     first = last = None
     chunks, tokens = 0, None
     async for payload in chat_payloads(client, url, body):
@@ -191,7 +187,17 @@ async def one_request(client: httpx.AsyncClient, url: str, k: int) -> Dict[str, 
             first = first or now
             last = now
             chunks += 1
-    tokens = tokens or chunks
+    return first, last, tokens or chunks
+
+
+async def one_request(client: httpx.AsyncClient, url: str, k: int) -> Dict[str, float]:
+    """One streamed chat request; its time to first token, time per output token and tokens."""
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+            "ignore_eos": True, "max_tokens": MAX_TOKENS[k % len(MAX_TOKENS)],
+            "messages": [{"role": "system", "content": SYSTEMS[k % len(SYSTEMS)]},
+                         {"role": "user", "content": QUESTIONS[(k // len(SYSTEMS)) % len(QUESTIONS)]}]}
+    start = time.perf_counter()
+    first, last, tokens = await first_last_tokens(client, url, body)
     return {"ttft": (first or time.perf_counter()) - start,
             "tpot": (last - first) / (tokens - 1) if first and tokens > 1 else 0.0, "tokens": tokens}
 

@@ -18,7 +18,6 @@ about 30-60 us a token), the second shows that rows without a schema pay nothing
 import asyncio
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -26,7 +25,7 @@ import fire
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import chat_payloads, has_content, start_ours, wait_ready  # noqa: E402
+from bench_server import first_last_tokens, start_ours, wait_ready  # noqa: E402
 
 QUESTION = "List some numbers between 0 and 999."
 
@@ -41,16 +40,7 @@ async def one_request(client: httpx.AsyncClient, url: str, tokens: int, constrai
     body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
             "max_tokens": tokens * 2 if constrained else tokens, "messages": [{"role": "user", "content": QUESTION}]}
     body.update({"response_format": schema_for(tokens)} if constrained else {"ignore_eos": True})
-    first = last = None
-    count = chunks = 0
-    async for payload in chat_payloads(client, url, body):
-        if payload.get("usage"):
-            count = payload["usage"]["completion_tokens"]
-        if has_content(payload):
-            last = time.perf_counter()
-            first = first or last
-            chunks += 1
-    count = count or chunks
+    first, last, count = await first_last_tokens(client, url, body)
     return {"tpot": (last - first) / (count - 1), "tokens": count, "constrained": constrained}
 
 
