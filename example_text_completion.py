@@ -8,7 +8,9 @@ folder is converted once into $LLAMA_HOME/converted.
 """
 
 from llama.cli.common import run
-from llama.cli.loading import build_from_flags, is_main_rank, model_flag
+from llama.cli.flags import model_flag
+from llama.cli.loading import build_from_flags, is_main_rank
+from llama.run_plan import ModelFlags
 
 PROMPTS = [
     "I believe the meaning of life is",
@@ -46,9 +48,8 @@ def main(
         quantize: int8 or int4: hold the linear layers' weights quantized (see llama-generate --help).
         model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
-    ckpt_dir = model_flag(ckpt_dir, model)
-    generator = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=1, device=None, dtype=None,
-                                 quantize=quantize)
+    flags = ModelFlags(model_flag(ckpt_dir, model), tokenizer_path, max_seq_len, max_batch_size, quantize=quantize)
+    generator = build_from_flags(flags)
     results = generator.text_completion(PROMPTS, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
                                         kv_cache=not no_kv_cache)
     if is_main_rank(generator):

@@ -8,7 +8,7 @@ same logits; the cache only saves the work of recomputing keys and values of pos
 import gc
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Set, Tuple, TypedDict, Union
 
@@ -17,8 +17,8 @@ import torch
 from llama.constraint import Constraint, Grammar
 from llama.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile.step import (CompileFailed, CompiledStep, compile_step, default_compile, eager_note,
-                                kv_cache_dtype_note, loads_compiled)
+from llama.compile import aot
+from llama.compile.step import CompileFailed, CompiledStep, compile_step, eager_note
 from llama.convert.cache import resolve_checkpoint
 from llama.runtime.devices import check_fits, local_device, resolve_device, resolve_dtype
 from llama.runtime.distributed import init_distributed
@@ -27,16 +27,17 @@ from llama.sampling import (  # noqa: F401 (Meta's names, here too)
     SamplingControls, apply_controls, check_controls, check_finite, check_sampling, logprobs_of, sample, sample_top_p,
 )
 from llama import kernels
-from llama.kv_cache import KVCache, resolve_kv_cache_dtype
+from llama.kv_cache import KVCache
 from llama.model import Transformer
 from llama.nn.parallel import parallelize
 from llama.nn.session import Session
 from llama.runtime.progress import Progress
-from llama.quant.format import is_linear_weight, read_record
+from llama.run_plan import Facts, ModelFlags, RunPlan, plan_run
+from llama.quant.format import read_record
 from llama.quant.dot_linears import DotLinear
 from llama.quant.layer import QuantizedLinear
 from llama.quant.layer_plan import Kernels, LayerPlan
-from llama.quant.quantize import check_method, check_quant_kernels, describe_plan, plan_for, slow_path_note
+from llama.quant.quantize import check_method, plan_for, slow_path_note
 from llama.speculative import (DEFAULT_DRAFT_TOKENS, Drafter, Speculation, SpeculationStats, check_speculation,
                                new_drafter)
 from llama.tokenizer import Tokenizer
@@ -126,6 +127,20 @@ class LoadInfo:
     compile_seconds: float = 0.0
     quant_kernels: Optional[str] = None  # what quantized layers multiply with: "integer" or "exact"; None: float
     layer_plan: Optional[LayerPlan] = None  # the class each layer was made (llama/quant/layer_plan.py)
+    plan: Optional[RunPlan] = None  # how the run was planned (llama/run_plan.py)
+
+
+def _make_step(model: Transformer, plan: RunPlan, progress: Optional[Progress], notes: List[str]) -> Optional[CompiledStep]:
+    """The compiled step `plan` says, or None where compile="auto" finds none to be had (`notes` then says why)."""
+    try:
+        step = compile_step(model, progress, eager_otherwise=not plan.strict, batch_size=plan.compile_batch_size)
+    except CompileFailed as e:
+        if plan.strict:
+            raise
+        notes.append(eager_note(e.reason))
+        return None
+    notes += step.notes
+    return step if plan.strict or step.ahead_of_time is not None else None
 
 
 class Llama:
@@ -205,80 +220,64 @@ class Llama:
         Raises:
             LlamaError: a file is missing or malformed, or the weights do not match params.json.
         """
-        ckpt_dir = resolve_checkpoint(ckpt_dir, progress)
-        device = local_device(resolve_device(device))
-        quant_kernels = check_quant_kernels(quant_kernels)
-        block_scales = device.type == "cpu" and quant_kernels == "integer"  # what the memory check counts
-        dtype_given = dtype is not None
-        dtype = resolve_dtype(dtype, device)
-        rank, world_size = init_distributed(device, model_parallel_size)
-        if compile is None:
-            compile = default_compile()
-        if compile not in (True, False, "auto"):
-            raise LlamaError(f"compile must be True, False or \"auto\", not {compile!r}")
-        auto = compile == "auto"
-        if auto:  # the stored step only where it can be had
-            compile = device.type == "cpu" and world_size == 1
-        if compile and world_size > 1:
-            raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
-        compiled = loads_compiled(compile, compile_layers, device, world_size)  # the layers are planned for it
-        ckpt_dir = Path(ckpt_dir)
+        flags = ModelFlags(None if ckpt_dir is None else str(ckpt_dir),
+                           None if tokenizer_path is None else str(tokenizer_path), max_seq_len, max_batch_size,
+                           model_parallel_size, seed, device, dtype, compile, quantize, quant_kernels, kv_cache_dtype,
+                           compile_batch_size, compile_layers)
+        return Llama.from_flags(flags, progress)
+
+    @staticmethod
+    def from_flags(flags: ModelFlags, progress: Optional[Progress] = None) -> "Llama":
+        """`Llama.build` with its arguments as one `ModelFlags` (llama/run_plan.py), as the commands hold them: the
+        facts gathered, the run planned once (`plan_run`), the weights loaded as planned and the step made."""
+        flags = flags.checked()
+        ckpt_dir = Path(resolve_checkpoint(flags.ckpt_dir, progress))
+        device = local_device(resolve_device(flags.device))
+        block_scales = device.type == "cpu" and flags.quant_kernels == "integer"  # what the memory check counts
+        dtype = resolve_dtype(flags.dtype, device)
+        rank, world_size = init_distributed(device, flags.model_parallel_size)
         params = read_params(ckpt_dir)
-        tokenizer = Tokenizer(str(tokenizer_path if tokenizer_path is not None else find_tokenizer(ckpt_dir)))
-        args = model_args(params, max_seq_len, max_batch_size, tokenizer.n_words, source=str(ckpt_dir / "params.json"))
+        tokenizer = Tokenizer(str(flags.tokenizer_path or find_tokenizer(ckpt_dir)))
+        args = model_args(params, flags.max_seq_len, flags.max_batch_size, tokenizer.n_words,
+                          source=str(ckpt_dir / "params.json"))
 
         start = time.perf_counter()
         with torch.device("meta"):
             model = Transformer(args)
         if world_size > 1:
             model = parallelize(model, world_size)
-        if dtype_given and read_record(ckpt_dir) is None:
+        if flags.dtype is not None and read_record(ckpt_dir) is None:
             # Refuse a model that cannot fit before even opening its files.
-            choose_dtype(None, args, plan_for(model, check_method(quantize)) if quantize else {}, dtype,
+            choose_dtype(None, args, plan_for(model, check_method(flags.quantize)) if flags.quantize else {}, dtype,
                          explicit=True, device=device, world_size=world_size, block_scales=block_scales)
         reader = CheckpointReader(ckpt_dir)  # memory-mapped: nothing read yet
         reader.check(args)
-        plan = resolve_plan(model, reader, quantize)
+        quant = resolve_plan(model, reader, flags.quantize)
         # Refuse before reading gigabytes that cannot fit.
-        dtype, notes = choose_dtype(reader, args, plan, dtype, dtype_given, device, world_size, block_scales)
-        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
-        kv_note = None if kv_dtype == dtype or not compiled else kv_cache_dtype_note(
-            kv_dtype, explicit=(compile and not auto) or compile_layers is True, device=device)
-        if kv_note is not None:  # only the stored step takes another cache dtype
-            notes.append(kv_note)
-            compile = compiled = False
-        integer = any(map(is_linear_weight, plan)) and device.type == "cpu" and quant_kernels == "integer"
-        if integer and not kernels.load(progress):
-            notes.append(f"the int8/int4 integer kernels cannot run here: {kernels.unavailable_reason()}; quantized "
-                         "layers run on the exact weight-only paths")
-        if (compiled or kv_dtype == torch.int8) and device.type == "cpu" and dtype == torch.float32:
-            kernels.load(progress)  # float32 products of a few rows (RowsLinear); attention over int8 keys and values
-        # Keys and values rounded to int8: every float32 product row-exact too, so that the cached and uncached passes,
-        # which compute a key among different rows, round it alike (llama/quant/linears.py, RowExactLinear).
-        model, layer_plan = load_weights(model, reader, args, plan, rank, world_size, device, dtype, compiled=compiled,
-                                         integer=integer, have=Kernels.here(), progress=progress,
-                                         exact_float=kv_dtype == torch.int8)
-        model.kv_cache_dtype = kv_dtype if kv_dtype != dtype else None  # None: the model's, whatever it becomes
+        dtype, dtype_notes = choose_dtype(reader, args, quant, dtype, flags.dtype is not None, device, world_size,
+                                          block_scales)
+        facts = Facts(device, world_size, aot.used(device), quant, dtype, tuple(dtype_notes), Kernels.here(),
+                      kernels.unavailable_reason())
+        plan = plan_run(flags, facts)
+        if plan.needs_kernels and not kernels.loaded():  # planned again with what loading them found
+            kernels.load(progress)
+            plan = plan_run(flags, replace(facts, kernels=Kernels.here(), kernels_missing=kernels.unavailable_reason()))
+        model, layer_plan = load_weights(model, reader, args, plan.quant, rank, world_size, device, plan.dtype,
+                                         compiled=plan.compiled_layers, integer=plan.integer, have=plan.kernels,
+                                         progress=progress, exact_float=plan.exact_float)
+        model.kv_cache_dtype = plan.kv_cache_dtype if plan.kv_cache_dtype != plan.dtype else None
+        notes = list(plan.notes)
         quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         on_exact_paths = [m for m in quantized if not isinstance(m, DotLinear)]
-        if on_exact_paths and device.type == "cpu" and dtype == torch.float32 and not compile:
-            notes.append(slow_path_note(plan, world_size))
+        if on_exact_paths and device.type == "cpu" and plan.dtype == torch.float32 and plan.step == "eager":
+            notes.append(slow_path_note(plan.quant, world_size))
         running = None if not quantized else "exact" if on_exact_paths else "integer"
-        info = LoadInfo(ckpt_dir, describe_plan(plan), rank, world_size, notes, quant_kernels=running,
-                        layer_plan=layer_plan)
-        llama = Llama(model, tokenizer, seed=seed, info=info)
-        if compile:
+        info = LoadInfo(ckpt_dir, plan.quantization, rank, world_size, notes, quant_kernels=running,
+                        layer_plan=layer_plan, plan=plan)
+        llama = Llama(model, tokenizer, seed=flags.seed, info=info)
+        if plan.step != "eager":
             compile_start = time.perf_counter()
-            try:
-                llama.compiled_step = compile_step(model, progress, eager_otherwise=auto, batch_size=compile_batch_size)
-            except CompileFailed as e:
-                if not auto:
-                    raise
-                info.notes.append(eager_note(e.reason))
-            else:
-                info.notes += llama.compiled_step.notes
-                if auto and llama.compiled_step.ahead_of_time is None:  # nothing stored could serve this model
-                    llama.compiled_step = None
+            llama.compiled_step = _make_step(model, plan, progress, info.notes)
             info.compile_seconds = time.perf_counter() - compile_start
         info.load_seconds = time.perf_counter() - start
         return llama

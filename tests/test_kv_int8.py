@@ -249,8 +249,7 @@ def test_a_bad_kv_cache_dtype_and_compile_true_without_the_stored_step_are_refus
             resolve_kv_cache_dtype(bad, torch.float32)
     with pytest.raises(LlamaError, match="kv_cache_dtype="):
         build(gqa_ckpt, kv_cache_dtype="int4")
-    cpu = torch.device("cpu")
-    assert kv_cache_dtype_note(torch.int8, explicit=True, device=cpu) is None
+    assert kv_cache_dtype_note(torch.int8, explicit=True, stored_step=True) is None
     monkeypatch.setenv("LLAMA_COMPILE_AOT", "0")
     with pytest.raises(LlamaError, match=r"compile=True .*\(kv_cache_dtype=int8\) only through the stored step"):
         build(gqa_ckpt, kv_cache_dtype="int8", compile=True)

@@ -7,6 +7,7 @@ import platform
 import sys
 import time
 from datetime import datetime, timezone
+from dataclasses import replace
 from pathlib import Path
 from typing import List
 
@@ -15,7 +16,8 @@ import torch
 from llama.eval.speed import Run, measure
 from llama.cli.common import fail, run, whole_numbers
 from llama.cli.flags import with_model_flags
-from llama.cli.loading import build_from_flags, compile_flag, is_main_rank, model_flag
+from llama.cli.flags import model_flags
+from llama.cli.loading import build_from_flags, is_main_rank
 from llama.runtime.files import write_atomically
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 1024)
@@ -78,7 +80,6 @@ def main(
             run eagerly; the table says which step each mode ran.
         no_compile: run every step eagerly, as the plain reference model does.
     """
-    ckpt_dir = model_flag(ckpt_dir, model)
     lengths = whole_numbers(lengths, "--lengths")
     batch_sizes = whole_numbers(batch_sizes, "--batch-sizes")
     mode_names = [m.strip() for m in str(modes).split(",") if m.strip()]
@@ -87,9 +88,10 @@ def main(
     if time_budget <= 0:
         fail(f"--time-budget must be positive, not {time_budget}")
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(batch_sizes), seed=1, device=device,
-                             dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache=mode_names == ["no-cache"]),
-                             quantize=quantize, quant_kernels=quant_kernels, compile_batch_size=batch_sizes[0])
+    flags = model_flags(ckpt_dir, tokenizer_path, device, dtype, quantize, quant_kernels, model, "auto", compile,
+                        no_compile, no_kv_cache=mode_names == ["no-cache"])
+    llama = build_from_flags(replace(flags, max_seq_len=max_seq_len, max_batch_size=max(batch_sizes),
+                                     compile_batch_size=batch_sizes[0]))
     prompt_tokens = llama.tokenizer.encode(str(prompt), bos=True, eos=False)
     longest = min(max(lengths), max_seq_len - len(prompt_tokens))
     if longest < 1:

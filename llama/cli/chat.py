@@ -2,14 +2,15 @@
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
 from llama.dialog import has_special_tags
 from llama.cli.common import as_flags, fail, run
 from llama.cli.flags import STRUCTURED_RAW_FLAGS, with_model_flags
-from llama.cli.loading import (build_from_flags, check_draft_flags, check_grammar, compile_flag, controls_from_flags,
-                               describe_speculation, grammar_from_flags, is_main_rank, model_flag, speculation_from_flags)
+from llama.cli.loading import (build_from_flags, check_draft_flags, check_grammar, controls_from_flags,
+                               grammar_from_flags, is_main_rank, speculation_from_flags)
 from llama.cli.streaming import TextStream
 from llama.chat.conversation import Conversation
 from llama.errors import LlamaError
@@ -17,6 +18,7 @@ from llama.sampling import check_sampling
 from llama.speculative import DEFAULT_DRAFT_TOKENS
 from llama.io.prompt_cache import PromptCacheError, check_writable
 from llama.kv_cache import describe_kv_cache
+from llama.run_plan import ModelFlags
 
 HELP = "Type a message and press Enter. /reset clears the history; Ctrl-D (or /exit) leaves."
 
@@ -42,8 +44,7 @@ def _read_line(llama) -> Optional[str]:
 
 @with_model_flags
 def main(
-    ckpt_dir: str = None,
-    tokenizer_path: str = None,
+    flags: ModelFlags = None,
     system: str = None,
     no_kv_cache: bool = False,
     temperature: float = 0.6,
@@ -51,16 +52,8 @@ def main(
     max_gen_len: int = 512,
     max_seq_len: int = 2048,
     seed: int = 1,
-    device: str = None,
-    dtype: str = None,
     stats: bool = False,
-    compile: bool = False,
-    no_compile: bool = False,
     session: str = None,
-    quantize: str = None,
-    quant_kernels: str = "integer",
-    model: str = None,
-    kv_cache_dtype: str = "auto",
     speculate: str = None,
     draft_model: str = None,
     draft_quantize: str = None,
@@ -107,7 +100,6 @@ def main(
         <sampling flags>
         <structured output flags>
     """
-    ckpt_dir = model_flag(ckpt_dir, model)
     if max_gen_len < 1:
         fail(f"--max-gen-len must be at least 1, not {max_gen_len}")
     check_sampling(temperature, top_p, max_gen_len)
@@ -119,17 +111,15 @@ def main(
         fail("--session keeps the KV cache with the conversation; it cannot be used with --no-kv-cache")
     if session is not None:
         check_writable(Path(str(session)))
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=1, seed=seed, device=device,
-                             dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache), quantize=quantize,
-                             quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype)
+    flags = replace(flags, max_seq_len=max_seq_len, max_batch_size=1, seed=seed)
+    llama = build_from_flags(flags)
     check_grammar(constraint, llama)
     if session is not None and llama.info.world_size > 1:
         fail("--session runs in one process, not under torchrun")
     main_rank = is_main_rank(llama)
     kv = "off" if no_kv_cache else \
         f"on, {describe_kv_cache(llama.model.kv_cache_dtype, llama.model.kv_cache_nbytes(1, 1))}"
-    drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
-                                     compile_flag(compile, no_compile, no_kv_cache), quant_kernels, draft_tokens)
+    drafter = speculation_from_flags(llama, flags, speculate, draft_model, draft_quantize, draft_tokens)
     chat = Conversation(llama, str(system) if system else None, max_gen_len, kv_cache=not no_kv_cache,
                         speculate=drafter, draft_tokens=draft_tokens)
     if session is not None and Path(session).exists():

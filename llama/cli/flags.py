@@ -1,7 +1,13 @@
 """The flags every command that loads a model shares, and their help text, written once."""
 
+import functools
+import inspect
 import textwrap
+from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Dict, Optional
+
+from llama.run_plan import ModelFlags
 
 # In the order a command's help lists them where its signature does not say otherwise.
 MODEL_FLAGS = {
@@ -80,9 +86,19 @@ def model_flags_help(indent: int = 8, width: int = 116, flags: Optional[Dict[str
     return "\n".join(lines)
 
 
+# The flags that make a command's `ModelFlags`, with their defaults on the command line, in the order a main's help lists
+# them where its `flags` parameter stands.
+COMMAND_MODEL_FLAGS = {"ckpt_dir": None, "tokenizer_path": None, "device": None, "dtype": None, "quantize": None,
+                       "quant_kernels": "integer", "model": None, "kv_cache_dtype": "auto", "compile": False,
+                       "no_compile": False}
+
+
 def with_model_flags(main: Callable) -> Callable:
     """Write the shared flags' help where `main`'s docstring says `<model flags>` (and `<speculation flags>`,
-    `<kv cache dtype flag>`, `<sampling flags>` or `<structured output flags>`, where it does); fire shows it as `main`'s own."""
+    `<kv cache dtype flag>`, `<sampling flags>` or `<structured output flags>`, where it does); fire shows it as `main`'s own.
+
+    A `main` with a `flags` parameter takes the model flags as one `ModelFlags`: fire sees `COMMAND_MODEL_FLAGS` in its
+    place, and `main` gets them made into one (`model_flags`)."""
     doc = main.__doc__
     assert doc is not None and MARKER in doc, f"{main.__module__}.main's docstring has no {MARKER} line"
     for marker, flags in ((MARKER, MODEL_FLAGS), (SPECULATION_MARKER, SPECULATION_FLAGS),
@@ -92,7 +108,64 @@ def with_model_flags(main: Callable) -> Callable:
         if line is not None:
             doc = doc.replace(line, model_flags_help(indent=len(line) - len(line.lstrip()), flags=flags))
     main.__doc__ = one_line_args(doc)
-    return main
+    signature = inspect.signature(main)
+    if "flags" not in signature.parameters:
+        return main
+    params = []
+    for param in signature.parameters.values():
+        if param.name == "flags":
+            params += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
+                                         annotation=bool if isinstance(default, bool) else str)
+                       for name, default in COMMAND_MODEL_FLAGS.items()]
+        else:
+            params.append(param)
+    command = signature.replace(parameters=params)
+
+    @functools.wraps(main)
+    def taking_flags(*args, **kwargs):
+        given = command.bind(*args, **kwargs)
+        given.apply_defaults()
+        values = dict(given.arguments)
+        flags = model_flags(**{name: values.pop(name) for name in COMMAND_MODEL_FLAGS},
+                            no_kv_cache=values.get("no_kv_cache", False))
+        return main(flags=flags, **values)
+
+    taking_flags.__signature__ = command
+    return taking_flags
+
+
+def model_flags(ckpt_dir, tokenizer_path, device, dtype, quantize, quant_kernels, model, kv_cache_dtype, compile,
+                no_compile, no_kv_cache: bool = False) -> ModelFlags:
+    """The `ModelFlags` a command's flags ask for, or a one-line error for one that is not among its choices.
+
+    --compile and --no-compile make `compile` True or False; with neither it stays None, what $LLAMA_COMPILE says
+    (unset: "auto", the stored compiled step wherever it can be had), except that with --no-kv-cache "auto" compiles
+    nothing (the stored step serves only cached steps)."""
+    from llama.cli.common import fail
+    from llama.errors import LlamaError
+
+    if compile and no_compile:
+        fail("--compile and --no-compile contradict each other; give one")
+    flags = ModelFlags(ckpt_dir=model_flag(ckpt_dir, model),
+                       tokenizer_path=None if tokenizer_path is None else str(tokenizer_path), device=device,
+                       dtype=dtype, compile=bool(compile) if compile or no_compile else None, quantize=quantize,
+                       quant_kernels=str(quant_kernels), kv_cache_dtype=kv_cache_dtype)
+    try:
+        default = flags.checked().compile
+    except LlamaError as e:
+        fail(str(e))
+    return replace(flags, compile=False) if no_kv_cache and default == "auto" else flags
+
+
+def model_flag(ckpt_dir: Optional[str], model: Optional[str]) -> Optional[str]:
+    """The model a command was given: --ckpt-dir, or -m / --model (llama.cpp's name for the same flag)."""
+    from llama.cli.common import fail
+
+    if model is not None and ckpt_dir is not None and \
+            Path(str(model)).expanduser().resolve() != Path(str(ckpt_dir)).expanduser().resolve():
+        fail(f"--ckpt-dir {ckpt_dir} and -m/--model {model} name different models; give one of them")
+    chosen = model if model is not None else ckpt_dir
+    return None if chosen is None else str(chosen)
 
 
 def one_line_args(doc: str) -> str:

@@ -3,13 +3,14 @@
 import json as jsonlib
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
 from llama.cli.common import as_flags, fail, run, seconds_since_start, whole_numbers
 from llama.cli.flags import STRUCTURED_RAW_FLAGS, with_model_flags
-from llama.cli.loading import (build_from_flags, check_draft_flags, check_grammar, compile_flag, controls_from_flags,
-                               describe_speculation, grammar_from_flags, is_main_rank, model_flag, speculation_from_flags)
+from llama.cli.loading import (build_from_flags, check_draft_flags, check_grammar, controls_from_flags,
+                               describe_speculation, grammar_from_flags, is_main_rank, speculation_from_flags)
 from llama.cli.streaming import TextStream
 from llama.sampling import check_sampling
 from llama.speculative import DEFAULT_DRAFT_TOKENS
@@ -17,6 +18,7 @@ from llama.io.identity import describe_model, model_identity
 from llama.kv_cache import describe_kv_cache
 from llama.io.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
 from llama.nn.session import Session
+from llama.run_plan import ModelFlags
 
 
 def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> List[str]:
@@ -45,8 +47,7 @@ def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> List[str
 def main(
     prompt: str = None,
     prompts_file: str = None,
-    ckpt_dir: str = None,
-    tokenizer_path: str = None,
+    flags: ModelFlags = None,
     echo: bool = False,
     no_kv_cache: bool = False,
     temperature: float = 0.6,
@@ -55,20 +56,12 @@ def main(
     max_seq_len: int = 2048,
     max_batch_size: int = 8,
     seed: int = 1,
-    device: str = None,
-    dtype: str = None,
     logprobs: bool = False,
     json: bool = False,
     stats: bool = False,
     stream: bool = None,
     truncate: bool = False,
-    compile: bool = False,
-    no_compile: bool = False,
     prompt_cache: str = None,
-    quantize: str = None,
-    quant_kernels: str = "integer",
-    model: str = None,
-    kv_cache_dtype: str = "auto",
     precompile=False,
     speculate: str = None,
     draft_model: str = None,
@@ -132,17 +125,15 @@ def main(
         <structured output flags>
     """
     import_s = seconds_since_start()
-    ckpt_dir = model_flag(ckpt_dir, model)
+    flags = replace(flags, max_seq_len=max_seq_len, max_batch_size=max_batch_size, seed=seed)
     if precompile is not False:
         if prompt is not None or prompts_file is not None:
             fail("--precompile builds the compiled decode step and exits; give it no prompt")
-        if no_compile or no_kv_cache:
+        if flags.compile is False or no_kv_cache:
             fail("--precompile builds the compiled decode step with the KV cache; leave out --no-compile and --no-kv-cache")
         sizes = batch_sizes(precompile)
-        llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max(max_batch_size, *sizes), seed=seed,
-                                 device=device, dtype=dtype, compile="auto", quantize=quantize,
-                                 quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype,
-                                 compile_batch_size=sizes[0])
+        llama = build_from_flags(replace(flags, max_batch_size=max(max_batch_size, *sizes), compile="auto",
+                                         compile_batch_size=sizes[0]))
         store_compiled_steps(llama, sizes)
         return
     prompts = read_prompts(prompt, prompts_file)
@@ -162,12 +153,8 @@ def main(
         check_writable(Path(str(prompt_cache)))
 
     load_start = time.perf_counter()
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, seed=seed, device=device,
-                             dtype=dtype, compile=compile_flag(compile, no_compile, no_kv_cache), quantize=quantize,
-                             quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype,
-                             compile_batch_size=len(prompts))
-    drafter = speculation_from_flags(llama, speculate, draft_model, draft_quantize, device, dtype,
-                                     compile_flag(compile, no_compile, no_kv_cache), quant_kernels, draft_tokens)
+    llama = build_from_flags(replace(flags, compile_batch_size=len(prompts)))
+    drafter = speculation_from_flags(llama, flags, speculate, draft_model, draft_quantize, draft_tokens)
     load_s = time.perf_counter() - load_start
     check_grammar(constraint, llama)
     if prompt_cache is not None and llama.info.world_size > 1:
@@ -239,6 +226,7 @@ def main(
             + (f"on ({describe_kv_cache(llama.model.kv_cache_dtype, llama.model.kv_cache_nbytes(1, 1))})"
                if not no_kv_cache else "off"),
             f"device:          {llama.device}",
+            f"run plan:        {llama.info.plan.describe()}",
             f"compiled:        {f'yes ({llama.compiled_step.describe_origin()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"
             + (f", on the {llama.info.quant_kernels} kernels" if llama.info.quant_kernels else ""),

@@ -3,21 +3,19 @@
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Union
-
-import torch
+from typing import Optional
 
 from llama.cli.common import as_flags, fail
 from llama.cli.printer import ProgressPrinter
-from llama.compile.step import default_compile
 from llama.convert.cache import resolve_checkpoint
 from llama.runtime.devices import resolve_device
 from llama.convert.fetch import default_model_dir
 from llama.errors import LlamaError, first_line
 from llama.generation import Llama
-from llama.kv_cache import resolve_kv_cache_dtype
 from llama.runtime.progress import Progress
+from llama.run_plan import ModelFlags
 
 
 def default_ckpt_dir() -> str:
@@ -25,43 +23,16 @@ def default_ckpt_dir() -> str:
     return str(default_model_dir(fetch=True, progress=ProgressPrinter(prefix="llama-download: ")))
 
 
-def compile_flag(compile: bool, no_compile: bool, no_kv_cache: bool = False) -> Union[bool, str]:
-    """What --compile and --no-compile ask of Llama.build: True, False, or where neither is given what
-    $LLAMA_COMPILE says (llama.compile.step.default_compile: unset, "auto", the stored compiled step wherever it can be
-    had and every other step eager)."""
-    if compile and no_compile:
-        fail("--compile and --no-compile contradict each other; give one")
-    if compile or no_compile:
-        return bool(compile)
-    default = default_compile()
-    return False if no_kv_cache and default == "auto" else default  # the stored step serves only cached steps
-
-
-def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max_seq_len: int, max_batch_size: int,
-                     seed: int, device: Optional[str], dtype: Optional[str], compile: Union[bool, str] = False,
-                     quantize: Optional[str] = None, quant_kernels: str = "integer",
-                     compile_batch_size: int = 1, compile_layers: Union[bool, str, None] = None,
-                     kv_cache_dtype: str = "auto") -> Llama:
-    check_kv_cache_dtype(kv_cache_dtype)
-    ckpt_dir = converted(ckpt_dir) if ckpt_dir is not None else None
-    if compile is True and resolve_device(device).type != "cpu":
+def build_from_flags(flags: ModelFlags) -> Llama:
+    """`Llama.from_flags` as every command loads: the default model where no checkpoint is given, a GGUF file or Hugging
+    Face folder converted first (saying so), a progress bar for big checkpoints, and the load's notes on stderr."""
+    ckpt_dir = converted(flags.ckpt_dir) if flags.ckpt_dir is not None else None
+    if flags.compile is True and resolve_device(flags.device).type != "cpu":
         # On the CPU the step comes from a stored package, and building one reports itself (llama/compile/aot.py).
         print("compiling the decode step (--compile): one to two minutes the first time, seconds once Inductor "
               "has it cached on disk", file=sys.stderr, flush=True)
-    llama = Llama.build(
-        ckpt_dir=str(ckpt_dir) if ckpt_dir is not None else default_ckpt_dir(),
-        tokenizer_path=str(tokenizer_path) if tokenizer_path is not None else None,
-        max_seq_len=max_seq_len,
-        max_batch_size=max_batch_size,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        compile=compile,
-        quantize=quantize,
-        quant_kernels=str(quant_kernels),
-        compile_batch_size=compile_batch_size,
-        compile_layers=compile_layers,
-        kv_cache_dtype=kv_cache_dtype,
+    llama = Llama.from_flags(
+        replace(flags, ckpt_dir=ckpt_dir if ckpt_dir is not None else default_ckpt_dir()),
         # Under torchrun every rank loads alike: rank 0's reports stand for all.
         progress=_progress(ckpt_dir) if os.environ.get("RANK", "0") == "0" else None,
     )
@@ -69,14 +40,6 @@ def build_from_flags(ckpt_dir: Optional[str], tokenizer_path: Optional[str], max
         for note in llama.info.notes:
             print(f"note: {as_flags(note)}", file=sys.stderr, flush=True)
     return llama
-
-
-def check_kv_cache_dtype(kv_cache_dtype) -> None:
-    """A one-line error for a --kv-cache-dtype that is not one of its choices, before anything loads."""
-    try:
-        resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)
-    except LlamaError as e:
-        fail(str(e))
 
 
 def _progress(ckpt_dir: Optional[str]) -> Progress:
@@ -88,15 +51,6 @@ def _progress(ckpt_dir: Optional[str]) -> Progress:
             printer(what, done, total)
 
     return report
-
-
-def model_flag(ckpt_dir: Optional[str], model: Optional[str]) -> Optional[str]:
-    """The model a command was given: --ckpt-dir, or -m / --model (llama.cpp's name for the same flag)."""
-    if model is not None and ckpt_dir is not None and \
-            Path(str(model)).expanduser().resolve() != Path(str(ckpt_dir)).expanduser().resolve():
-        raise LlamaError(f"--ckpt-dir {ckpt_dir} and -m/--model {model} name different models; give one of them")
-    chosen = model if model is not None else ckpt_dir
-    return None if chosen is None else str(chosen)
 
 
 def converted(ckpt_dir: str) -> str:
@@ -198,12 +152,11 @@ def check_grammar(grammar, llama: Llama) -> None:
             fail(str(e))
 
 
-def speculation_from_flags(llama: Llama, speculate: Optional[str], draft_model: Optional[str],
-                           draft_quantize: Optional[str], device: Optional[str], dtype: Optional[str],
-                           compile: Union[bool, str], quant_kernels: str, draft_tokens: int):
+def speculation_from_flags(llama: Llama, flags: ModelFlags, speculate: Optional[str], draft_model: Optional[str],
+                           draft_quantize: Optional[str], draft_tokens: int):
     """What `Llama.generate(speculate=...)` takes for the flags: None, "ngram", or a `DraftModel` over the draft
-    checkpoint, loaded as the model is (the default model where `--draft-model default`). The compiled steps it runs
-    on are ready when this returns."""
+    checkpoint, loaded as the model was (its `flags`; the default model where `--draft-model default`). The compiled
+    steps it runs on are ready when this returns."""
     if draft_model is None and speculate is None:
         return None
     _ready_to_speculate(llama, (1, draft_tokens + 1))
@@ -212,8 +165,9 @@ def speculation_from_flags(llama: Llama, speculate: Optional[str], draft_model: 
     from llama.speculative import DraftModel
 
     path = None if str(draft_model) == "default" else str(draft_model)
-    draft = build_from_flags(path, None, llama.model.params.max_seq_len, 1, seed=1, device=device, dtype=dtype,
-                             compile=compile, quantize=draft_quantize, quant_kernels=quant_kernels)
+    draft = build_from_flags(replace(flags, ckpt_dir=path, tokenizer_path=None, max_seq_len=llama.model.params.max_seq_len,
+                                     max_batch_size=1, seed=1, quantize=draft_quantize, kv_cache_dtype=None,
+                                     compile_batch_size=1, compile_layers=None))
     _ready_to_speculate(draft)
     try:
         return DraftModel(draft, llama)

@@ -1,11 +1,13 @@
 """llama-perplexity: how well a model predicts a text, as llama.cpp's command of the same name measures it."""
 
 import json as jsonlib
+from dataclasses import replace
 from pathlib import Path
 
 from llama.cli.common import fail, run
 from llama.cli.flags import with_model_flags
-from llama.cli.loading import build_from_flags, is_main_rank, model_flag
+from llama.cli.flags import model_flags
+from llama.cli.loading import build_from_flags, is_main_rank
 from llama.cli.printer import ProgressPrinter
 from llama.eval.likelihood import check_ctx, perplexity, window_starts
 
@@ -67,7 +69,8 @@ def main(
         no_kv_cache: feed each window whole instead of in chunks through the KV cache.
         json: print one JSON object (perplexity, its standard error, tokens scored, per-window figures).
     """
-    ckpt_dir = model_flag(ckpt_dir, model)
+    flags = model_flags(ckpt_dir, tokenizer_path, device, dtype, quantize, quant_kernels, model, kv_cache_dtype,
+                        compile=False, no_compile=True)  # windows are prompts, and prompts run eagerly
     if file is None:
         fail("give the text file to score, e.g. llama-perplexity data/alice29.txt")
     try:
@@ -81,9 +84,7 @@ def main(
     path = Path(str(file))
     text = read_text(path)
 
-    llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len=ctx, max_batch_size=1, seed=1, device=device,
-                             dtype=dtype, quantize=quantize, quant_kernels=quant_kernels,
-                             kv_cache_dtype=kv_cache_dtype)
+    llama = build_from_flags(replace(flags, max_seq_len=ctx, max_batch_size=1))
     tokens = llama.tokenizer.encode(text, bos=False, eos=False)
     window_starts(len(tokens), ctx, windows)  # a text too short fails here, before any work
     main_rank = is_main_rank(llama)

@@ -11,6 +11,7 @@ each step on their slices (llama/server/ranks.py).
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Tuple, Union
 
@@ -18,10 +19,12 @@ import torch
 
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.flags import with_model_flags
-from llama.cli.loading import build_from_flags, check_kv_cache_dtype, compile_flag, model_flag
+from llama.cli.loading import build_from_flags
 from llama.cli.printer import ProgressPrinter
+from llama.compile import aot
 from llama.compile.step import kv_cache_dtype_note
 from llama.convert.fetch import DEFAULT_MODEL
+from llama.run_plan import ModelFlags
 from llama.errors import LlamaError
 from llama.runtime.devices import local_device, resolve_device
 
@@ -60,8 +63,7 @@ def byte_count(size: Union[int, str], flag: str) -> int:
 
 @with_model_flags
 def main(
-    ckpt_dir: str = None,
-    tokenizer_path: str = None,
+    flags: ModelFlags = None,
     host: str = "127.0.0.1",
     port: int = 8080,
     parallel: int = 4,
@@ -77,14 +79,6 @@ def main(
     no_webui: bool = False,
     model_name: str = None,
     shutdown_grace: float = 5.0,
-    device: str = None,
-    dtype: str = None,
-    quantize: str = None,
-    quant_kernels: str = "integer",
-    compile: bool = False,
-    no_compile: bool = False,
-    model: str = None,
-    kv_cache_dtype: str = "auto",
     speculate: str = None,
     draft_tokens: int = 4,
 ):
@@ -149,10 +143,10 @@ def main(
         fail(f"--port must be at most 65535, not {port}")
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     dir_size = byte_count(kv_cache_dir_size, "--kv-cache-dir-size")
-    check_kv_cache_dtype(kv_cache_dtype)  # the model loads after the server listens: refused before that
-    if compile and not no_compile and kv_cache_dtype == "int8":  # never the model's dtype
+    compile = flags.checked().compile  # the batched step's: llama/server/runner.py compiles it
+    if compile is True and flags.kv_cache_dtype == "int8":  # never the model's dtype; refused before the server listens
         try:
-            kv_cache_dtype_note(torch.int8, explicit=True, device=local_device(resolve_device(device)))
+            kv_cache_dtype_note(torch.int8, explicit=True, stored_step=aot.used(local_device(resolve_device(flags.device))))
         except LlamaError as e:
             fail(as_flags(str(e)))
     if speculate is not None:
@@ -167,15 +161,13 @@ def main(
 
         check_disk_cache(not no_kv_cache, int(os.environ.get("WORLD_SIZE", "1")))
         prepare_directory(Path(kv_cache_dir).expanduser())
-    ckpt_dir = model_flag(ckpt_dir, model)
-    compile = compile_flag(compile, no_compile, no_kv_cache)
+    # The model plans its layers for the batched step; the step itself is the runner's to make.
+    flags = replace(flags, max_seq_len=max_seq_len, max_batch_size=parallel, seed=1, compile=False,
+                    compile_layers=compile if not no_kv_cache else False)
 
     def load():
         """This rank's Llama, as every command loads it."""
-        llama = build_from_flags(ckpt_dir, tokenizer_path, max_seq_len, max_batch_size=parallel, seed=1,
-                                 device=device, dtype=dtype, compile=False, quantize=quantize,
-                                 quant_kernels=quant_kernels, kv_cache_dtype=kv_cache_dtype,
-                                 compile_layers=compile if not no_kv_cache else False)
+        llama = build_from_flags(flags)
         if compile is True and llama.info.world_size == 1 and llama.model.device.type != "cpu" and not no_kv_cache:
             print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first "
                   "time, less once Inductor has it cached on disk", file=sys.stderr, flush=True)
@@ -197,7 +189,7 @@ def main(
         from llama.server.app import serve
     except ImportError as e:
         fail(f"llama-server needs {e.name}: pip install 'llama-kv[server]'")
-    name = model_name or (Path(str(ckpt_dir)).resolve().name if ckpt_dir is not None else DEFAULT_MODEL)
+    name = model_name or (Path(flags.ckpt_dir).resolve().name if flags.ckpt_dir is not None else DEFAULT_MODEL)
     serve(load, host, port, prefill_chunk=prefill_chunk, max_waiting=max_waiting, model_id=name, api_key=api_key,
           webui=not no_webui, shutdown_grace=shutdown_grace, progress=ProgressPrinter(prefix="llama-server: "),
           kv_cache_dir=str(Path(kv_cache_dir).expanduser()) if kv_cache_dir is not None else None,

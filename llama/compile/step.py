@@ -57,29 +57,18 @@ def default_compile() -> Union[bool, str]:
     return "auto" if value == "auto" else value == "1"
 
 
-def loads_compiled(compile: bool, compile_layers: Union[bool, str, None], device: torch.device,
-                   world_size: int) -> bool:
-    """Whether `Llama.build` plans the layers for a compiled decode step (llama/quant/layer_plan.py): the one `compile`
-    makes, or where `compile_layers` is given the one its caller makes with that mode: llama-server's batched step,
-    which "auto" compiles only where it comes from stored packages (llama/server/runner.py)."""
-    if compile_layers is None:
-        return bool(compile)
-    return world_size == 1 and (compile_layers is True or (compile_layers == "auto" and aot.used(device)))
-
-
 def eager_note(reason: str) -> str:
     """The note of the default ("auto") where the step could not be compiled."""
     return (f"the decode step could not be compiled ({reason}); the decode step runs eagerly, about 3 times slower "
             "(compile=False hides this note)")
 
 
-def kv_cache_dtype_note(kv_dtype: torch.dtype, explicit: bool, device: Optional[torch.device] = None) -> Optional[str]:
+def kv_cache_dtype_note(kv_dtype: torch.dtype, explicit: bool, stored_step: bool) -> Optional[str]:
     """Where the KV cache holds keys and values in another dtype than the model computes in (int8, or bf16 for a
-    float32 model): None where the decode step on `device` still compiles, which the stored steps do (on the CPU,
-    llama/compile/aot.py, a package per cache dtype), or where `device` is not known yet (a command before it loads
-    the model: asked again once it has). Elsewhere (torch.compile: a GPU, LLAMA_COMPILE_AOT=0) the decode step runs
-    eagerly: the note that says so, or with `explicit` (compile=True) a LlamaError."""
-    if device is None or aot.used(device):
+    float32 model): None where the decode step still compiles, which the stored steps do (`stored_step`: on the CPU,
+    llama/compile/aot.py `used`, a package per cache dtype). Elsewhere (torch.compile: a GPU, LLAMA_COMPILE_AOT=0) the
+    decode step runs eagerly: the note that says so, or with `explicit` (compile=True) a LlamaError."""
+    if stored_step:
         return None
     name = str(kv_dtype).removeprefix("torch.")
     if explicit:
