@@ -60,7 +60,10 @@ def grammar(use: ToolUse) -> Grammar:
     """What the reply may be: one call (or several, where `parallel`), of the tools `choice` allows; with "auto",
     or instead text that does not start with a call."""
     tools = [t for t in use.tools if use.choice in ("auto", "required") or t.name == use.choice]
-    call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+    # JSON spaced as json.dumps spaces it, as the system message shows a call: a small model cannot pad a call with
+    # whitespace, and the calls it writes read as the ones `call_text` writes back.
+    call = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "},
+            "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                        "properties": {"name": {"const": t.name}, "arguments": t.parameters}} for t in tools]}
     calls = "call (\"\\n\" call)*" if use.parallel else "call"
     lark = f'start: {calls}{" | TEXT" if use.choice == "auto" else ""}\n'
