@@ -255,8 +255,13 @@ def _message(m: Any, i: int) -> Dict[str, str]:
     calls = m.get("tool_calls") if role == "assistant" else None
     if calls:  # the calls go back into the prompt as the model wrote them
         try:
-            written = [tool_calls.call_text(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                       for c in calls]
+            written = []
+            for c in calls:
+                name, arguments = c["function"]["name"], c["function"]["arguments"]
+                json.loads(arguments)
+                if not isinstance(name, str):
+                    raise TypeError(name)
+                written.append(tool_calls.call_text(name, arguments.strip()))
         except (TypeError, KeyError, ValueError):
             raise ApiError(400, f"messages[{i}].tool_calls must each be {{'type': 'function', 'function': {{'name': "
                                 "..., 'arguments': JSON text}}", "messages", "invalid_value") from None

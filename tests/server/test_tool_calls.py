@@ -14,6 +14,7 @@ openai = pytest.importorskip("openai")
 import jsonschema  # noqa: E402  (the test extra has it, and llguidance)
 
 from helpers import KEY, Server  # noqa: E402
+from llama.server.tools import ReplyReader, read_reply  # noqa: E402
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
            "properties": {"city": {"type": "string", "maxLength": 8}}}
@@ -61,14 +62,119 @@ def test_required_and_named_calls_validate(server, parallel):
         check_calls(c.message.tool_calls)
 
 
-def test_streamed_calls_are_the_whole_calls(server):
-    whole = ask(server, tool_choice="required").choices[0].message.tool_calls
-    chunks = list(ask(server, tool_choice="required", stream=True))
-    streamed = [call for c in chunks if c.choices and c.choices[0].delta.tool_calls for call in c.choices[0].delta.tool_calls]
-    assert [(c.function.name, c.function.arguments) for c in streamed] == \
-           [(c.function.name, c.function.arguments) for c in whole]
-    assert [c.index for c in streamed] == list(range(len(whole)))
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+def joined(deltas):
+    """What a client makes of streamed deltas: the content (None if none came) and each call's name and arguments."""
+    content, calls = None, []
+    for delta in deltas:
+        if delta.get("content") is not None:
+            content = (content or "") + delta["content"]
+        for part in delta.get("tool_calls") or []:
+            if part["index"] == len(calls):
+                calls.append([part["function"]["name"], ""])
+            calls[part["index"]][1] += part["function"]["arguments"]
+    return content, [tuple(c) for c in calls]
+
+
+def read_whole(text):
+    content, calls = read_reply(text)
+    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls or []]
+
+
+TWO_CALLS = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, {"c": "}\\"]{"}]}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("text, expected", [
+    (TWO_CALLS, (None, [("add", '{"a": 1, "b": [2, {"c": "}\\"]{"}]}'), ("get_weather", '{"city": "Paris"}')])),
+    (' <tool_call>\n{"arguments": 7 , "name": "n"}', (None, [("n", "7")])),  # name last; a number for arguments
+    ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b', (None, [("add", '{"a": 1, "b')])),  # cut by max_tokens
+    ('<tool_call>\n{"name": "ad', ('<tool_call>\n{"name": "ad', [])),  # no whole name: no call, the text
+    ("<tools are fine", ("<tools are fine", [])),
+    ("Sunny <tool_call>", ("Sunny <tool_call>", [])),
+    ("", ("", [])),
+    ("  \n", ("  \n", [])),
+])
+def test_a_reply_read_in_pieces_is_the_reply_read_whole(text, expected):
+    assert read_whole(text) == expected
+    for cuts in [list(range(len(text) + 1))] + [[k] for k in range(len(text) + 1)]:  # char by char, and every cut in two
+        reader, deltas, start = ReplyReader(), [], 0
+        for end in cuts + [len(text)]:
+            deltas += reader.feed(text[start:end])
+            start = end
+        assert joined(deltas + reader.finish()) == expected, cuts
+
+
+def test_calls_stream_their_name_first_then_their_arguments_in_pieces():
+    reader = ReplyReader()
+    deltas = [(k, d) for k in range(len(TWO_CALLS)) for d in reader.feed(TWO_CALLS[k])] + \
+             [(len(TWO_CALLS), d) for d in reader.finish()]
+    parts = [(k, part) for k, d in deltas for part in d["tool_calls"]]
+    assert all(set(d) == {"tool_calls"} and len(d["tool_calls"]) == 1 for _, d in deltas)
+    for index, name in enumerate(["add", "get_weather"]):
+        mine = [(k, part) for k, part in parts if part["index"] == index]
+        (k0, first), rest = mine[0], mine[1:]
+        assert first["id"].startswith("call_") and first["type"] == "function" and first["function"] == {
+            "name": name, "arguments": ""}
+        assert TWO_CALLS[:k0 + 1].endswith(f'"{name}"')  # sent as soon as the name's string closes
+        assert len(rest) > 5 and all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"}
+                                     for _, p in rest)
+    assert [p["index"] for _, p in parts] == sorted(p["index"] for _, p in parts)
+
+
+def test_words_stream_as_soon_as_they_cannot_be_a_call():
+    reader = ReplyReader()
+    assert reader.feed(" ") == [] and reader.feed("<tool") == []
+    assert reader.feed("s") == [{"content": " <tools"}]
+    assert reader.feed(" are") == [{"content": " are"}] and reader.finish() == [] and not reader.has_calls
+
+
+def stream_deltas(chunks):
+    """The deltas of a stream of one choice, as dicts, and the last chunk's finish reason."""
+    choices = [c.choices[0] for c in chunks if c.choices]
+    return [c.delta.model_dump(exclude_none=True) for c in choices], choices[-1].finish_reason
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}, "auto"])
+def test_a_streamed_reply_is_the_whole_reply_cached_or_not(server, choice):
+    """The same tokens whole and streamed, with the prompt's cache reused or not; the calls' arguments in pieces."""
+    whole = ask(server, tool_choice=choice, logprobs=True).choices[0]
+    expected = (whole.message.content, [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []])
+    tokens = [t.token for t in whole.logprobs.content]
+    for cache_prompt in (True, False):
+        chunks = list(ask(server, tool_choice=choice, stream=True, logprobs=True,
+                          extra_body={"cache_prompt": cache_prompt}))
+        deltas, reason = stream_deltas(chunks)
+        assert joined(deltas) == expected and reason == whole.finish_reason
+        assert [t.token for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content] == tokens
+        pieces = [part for d in deltas for part in d.get("tool_calls", [])]
+        for index, (name, arguments) in enumerate(expected[1]):
+            mine = [p for p in pieces if p["index"] == index]
+            assert mine[0]["function"] == {"name": name, "arguments": ""} and mine[0]["type"] == "function"
+            assert len(mine) > 2 and all("name" not in p["function"] for p in mine[1:])
+    if whole.message.tool_calls:
+        assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    else:
+        assert not whole.message.content.startswith("<tool_call>")
+
+
+def test_the_openai_stream_helper_reassembles_the_calls(server):
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]  # the helper parses strict tools
+    whole = ask(server, tool_choice="required").choices[0].message
+    pieces = []
+    with server.client().chat.completions.stream(model="m", messages=QUESTION, tools=strict, tool_choice="required",
+                                                 max_tokens=300, temperature=0) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                pieces.append(event.arguments_delta)
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+           [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+    assert [c.function.parsed_arguments for c in final.message.tool_calls] == \
+           [json.loads(c.function.arguments) for c in whole.tool_calls]
+    assert len(pieces) > len(whole.tool_calls) and "".join(pieces) == "".join(c.function.arguments
+                                                                               for c in whole.tool_calls)
 
 
 def test_auto_is_a_call_or_text_and_none_is_the_plain_reply(server):
@@ -108,6 +214,10 @@ def test_langchain_bind_tools(server):
                                       max_tokens=300, max_retries=0)
     message = llm.bind_tools([add], tool_choice="required").invoke("What is 2 + 3?")
     assert message.tool_calls and {c["name"] for c in message.tool_calls} == {"add"}
+    chunks = list(llm.bind_tools([add], tool_choice="required").stream("What is 2 + 3?"))
+    streamed = sum(chunks[1:], chunks[0])
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in message.tool_calls]
+    assert sum(bool(c.tool_call_chunks) for c in chunks) > len(message.tool_calls)  # the arguments came in pieces
     for call in message.tool_calls:
         jsonschema.validate(call["args"], add.tool_call_schema.model_json_schema())
     # The loop's second step: the calls' results go back as ToolMessages; the reply is words or calls again.
@@ -145,11 +255,14 @@ def test_the_default_model_runs_a_two_step_agent_loop():
     s = Server(default_model_dir(), "--api-key", KEY, max_seq_len=2048)
     try:
         client = s.client()
-        first = client.chat.completions.create(model="m", messages=QUESTION, tools=tools, tool_choice="required",
-                                               parallel_tool_calls=False, max_tokens=100, temperature=0).choices[0]
+        ask = dict(model="m", messages=QUESTION, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                   max_tokens=100, temperature=0)
+        first = client.chat.completions.create(**ask).choices[0]
         assert first.finish_reason == "tool_calls"
         (call,) = first.message.tool_calls
         assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+        deltas, reason = stream_deltas(list(client.chat.completions.create(**ask, stream=True)))
+        assert joined(deltas) == (None, [(call.function.name, call.function.arguments)]) and reason == "tool_calls"
         history = QUESTION + [first.message.model_dump(exclude_none=True),
                               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
         answer = client.chat.completions.create(model="m", messages=history, tools=tools, tool_choice="none",
