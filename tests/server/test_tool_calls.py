@@ -211,6 +211,7 @@ def test_langchain_bind_tools(server):
     import langchain_openai
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
+    from langchain_core.utils.function_calling import convert_to_openai_tool
 
     @tool
     def add(a: int, b: int) -> int:
@@ -224,6 +225,11 @@ def test_langchain_bind_tools(server):
     chunks = list(llm.bind_tools([add], tool_choice="required").stream("What is 2 + 3?"))
     streamed = sum(chunks[1:], chunks[0])
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in message.tool_calls]
+    whole = server.client().chat.completions.create(  # the same request through the openai client
+        model="m", messages=[{"role": "user", "content": "What is 2 + 3?"}], tools=[convert_to_openai_tool(add)],
+        tool_choice="required", temperature=0, max_tokens=300).choices[0].message.tool_calls
+    assert [(c["name"], c["args"]) for c in streamed.tool_call_chunks] == [  # the arguments' JSON text, too
+        (c.function.name, c.function.arguments) for c in whole]
     assert sum(bool(c.tool_call_chunks) for c in chunks) > len(message.tool_calls)  # the arguments came in pieces
     for call in message.tool_calls:
         jsonschema.validate(call["args"], add.tool_call_schema.model_json_schema())
