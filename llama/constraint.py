@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from llama.errors import LlamaError
-from llama.tokenizer import token_bytes
+from llama.tokenizer import special_tokens, token_bytes
 
 INSTALL_HINT = 'structured outputs need the llguidance package: pip install "llama-kv[structured]"'
 
@@ -165,7 +165,7 @@ def ll_tokenizer(tokenizer) -> Any:
     Built once per tokenizer (about 0.4 s for a 49,152-token vocabulary)."""
     llg = _llguidance()
     tokens = [token_bytes(tokenizer, i) for i in range(tokenizer.n_words)]
-    special = _special_tokens(tokenizer)
+    special = special_tokens(tokenizer)
     for i, name in special.items():
         tokens[i] = b"\xff" + name.encode("utf-8")  # llguidance's marker: never matched as text
     built = {}
@@ -191,14 +191,6 @@ def ll_tokenizer(tokenizer) -> Any:
 
     built["tokenizer"] = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary()), eos_token=list(tokenizer.stop_ids))
     return built["tokenizer"]
-
-
-def _special_tokens(tokenizer) -> dict:
-    """{id: name} of the tokens that stand for no text (bos, eos, ChatML's tags, unk)."""
-    sp = tokenizer.sp_model
-    if sp is not None:
-        return {i: sp.id_to_piece(i) for i in range(tokenizer.n_words) if sp.is_control(i) or sp.is_unknown(i)}
-    return {i: t.content for i, t in tokenizer.hf_tokenizer.get_added_tokens_decoder().items() if t.special}
 
 
 def _first_lines(message: str, n: int = 3) -> str:

@@ -12,6 +12,7 @@ keys are a subset of Hugging Face's file of the same name, so theirs is read too
 Every key is optional. Without the file a SentencePiece model behaves as Meta's reference does.
 """
 
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
@@ -59,6 +60,9 @@ class Tokenizer:
         self.stop_ids: List[int] = stops or [self.eos_id]
         self.chat_format: str = _chat_format(config, path.parent / CONFIG_NAME)
         self.default_system_prompt: Optional[str] = config.get("default_system_prompt")
+        # The model's own Jinja template, kept for what the chat formats do not cover (llama/chat_template.py).
+        template = config.get("chat_template")
+        self.chat_template: Optional[str] = template if isinstance(template, str) and template else None
 
     def _load_sentencepiece(self, path: Path) -> None:
         from sentencepiece import SentencePieceProcessor  # here: a tokenizer.json (the default model's) needs none
@@ -155,6 +159,16 @@ def _chat_format(config: Dict[str, Any], path: Path) -> str:
     if chat_format not in CHAT_FORMATS:
         raise LlamaError(f"{path}: chat_format {chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
     return chat_format
+
+
+@lru_cache(maxsize=8)
+def special_tokens(tokenizer) -> Dict[int, str]:
+    """{id: text} of the tokens that stand for no text of their own (bos, eos, ChatML's tags, unk); read once per
+    tokenizer (the caller must not change it)."""
+    sp = tokenizer.sp_model
+    if sp is not None:
+        return {i: sp.id_to_piece(i) for i in range(tokenizer.n_words) if sp.is_control(i) or sp.is_unknown(i)}
+    return {i: t.content for i, t in tokenizer.hf_tokenizer.get_added_tokens_decoder().items() if t.special}
 
 
 def token_bytes(tokenizer, token: int) -> bytes:

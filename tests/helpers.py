@@ -95,6 +95,90 @@ def write_nonstop(path: Path, seed: int = 0) -> Path:
     return save_checkpoint(path, params_dict(args), state, tokenizer_path=EXAMPLE_TOKENIZER)
 
 
+# Qwen2.5-Instruct's chat template, as its tokenizer_config.json has it: tools in a system message, calls and results
+# in the Hermes form (tests/test_chat_template.py, tests/server/test_tool_calls.py).
+QWEN25_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- messages[0]['content'] }}\n"
+    "    {%- else %}\n"
+    "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}\n"
+    "    {%- endif %}\n"
+    "    {{- \"\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    "    {%- for tool in tools %}\n"
+    "        {{- \"\\n\" }}\n"
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, \\\"arguments\\\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    "{%- else %}\n"
+    "    {%- if messages[0]['role'] == 'system' %}\n"
+    "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if (message.role == \"user\") or (message.role == \"system\" and not loop.first) or (message.role == "
+    "\"assistant\" and not message.tool_calls) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == \"assistant\" %}\n"
+    "        {{- '<|im_start|>' + message.role }}\n"
+    "        {%- if message.content %}\n"
+    "            {{- '\\n' + message.content }}\n"
+    "        {%- endif %}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- if tool_call.function is defined %}\n"
+    "                {%- set tool_call = tool_call.function %}\n"
+    "            {%- endif %}\n"
+    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n"
+    "            {{- tool_call.name }}\n"
+    "            {{- '\", \"arguments\": ' }}\n"
+    "            {{- tool_call.arguments | tojson }}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' }}\n"
+    "        {{- message.content }}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def write_template_model(path: Path, chat_template: str, seed: int = 0) -> Path:
+    """A tiny checkpoint with a byte-level tokenizer.json (each of the 256 bytes a token, no merges, then ChatML's
+    <|endoftext|>, <|im_start|> and <|im_end|> as special tokens) whose tokenizer_config.json keeps `chat_template`,
+    as llama-convert writes one for a Hugging Face folder."""
+    from llama.convert.hf_tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, byte_level_tokenizer_json, tokenizer_config
+    from llama.tokenizer import _byte_level_decoder
+
+    tokens = [c for c, _ in sorted(_byte_level_decoder().items(), key=lambda item: item[1])]
+    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    files = path.parent / f"{path.name}-tokenizer"
+    files.mkdir(parents=True)
+    (files / "tokenizer.json").write_bytes(byte_level_tokenizer_json(
+        tokens, [], [TOKEN_NORMAL] * 256 + [TOKEN_CONTROL] * 3, None, "a test vocabulary"))
+    write_random_checkpoint(path, tiny_args("gqa", vocab_size=len(tokens)), seed=seed + SEED_OFFSET,
+                            tokenizer_path=files / "tokenizer.json", std=TEST_STD)
+    config = tokenizer_config(tokens, None, 256, 256, False, chat_template)
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def build(ckpt: Path, **kwargs) -> Llama:
     kwargs = {"max_seq_len": 64, "max_batch_size": 8, "device": "cpu", "dtype": "float32", **kwargs}
     return Llama.build(ckpt, **kwargs)

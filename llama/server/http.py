@@ -25,7 +25,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs, Unavailable
-from llama.server.tools import read_calls
+from llama.server.tools import ReplyReader, read_reply
 from llama.server.openai_api import (
     ApiError, Params, chat_logprobs, check_lengths, completion_logprobs, error_body, new_id, now, parse_chat,
     parse_completion, parse_responses, response_usage, usage,
@@ -335,9 +335,9 @@ async def _collect(run: _Run, n_choices: int):
 def _chat_message(params: Params, text: str, reason: Optional[str]):
     """A chat choice's message and finish reason: the text, or where the request has tools and the reply calls them,
     the calls (finish reason "tool_calls" when the reply ended by itself)."""
-    calls = read_calls(text) if params.tools is not None else None
+    content, calls = read_reply(text) if params.tools is not None else (text, None)
     if not calls:
-        return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": content}, reason
     return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if reason == "stop" else reason)
 
 
@@ -350,28 +350,28 @@ async def _chat_chunks(state: ServerState, run: _Run, params: Params, rid: str, 
         return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                      "finish_reason": finish_reason}], **extra}
 
+    # With tools a reply may be calls, whose message has no content: it comes in the deltas that follow.
     for i in range(params.n):
-        yield chunk(i, {"role": "assistant", "content": ""})
-    held = [""] * params.n  # with tools: a choice's text, sent at its end as text or as calls
+        yield chunk(i, {"role": "assistant", "content": None if params.tools is not None else ""})
+    readers = [ReplyReader() for _ in range(params.n)] if params.tools is not None else None
     async for _, event in run.events():
         if not isinstance(event, Delta):
             continue
-        if params.tools is not None:
-            held[event.index] += event.text
-            if event.finish_reason:
-                message, reason = _chat_message(params, held[event.index], event.finish_reason)
-                if message.get("tool_calls"):
-                    yield chunk(event.index, {"tool_calls": [{"index": j, **call}
-                                                             for j, call in enumerate(message["tool_calls"])]})
-                elif message["content"]:
-                    yield chunk(event.index, {"content": message["content"]})
-                yield chunk(event.index, {}, None, reason)
-            continue
-        if event.text or event.logprobs:
-            lps = chat_logprobs(state.tokenizer, event.logprobs) if params.logprobs is not None else None
-            yield chunk(event.index, {"content": event.text}, lps)
-        if event.finish_reason:
-            yield chunk(event.index, {}, None, event.finish_reason)
+        lps = chat_logprobs(state.tokenizer, event.logprobs) if params.logprobs is not None else None
+        if readers is None:
+            if event.text or event.logprobs:
+                yield chunk(event.index, {"content": event.text}, lps)
+            reason = event.finish_reason
+        else:  # words as they come; calls as their names, then their arguments' text, come
+            reader = readers[event.index]
+            deltas = reader.feed(event.text) + (reader.finish() if event.finish_reason else [])
+            if event.logprobs and lps is not None and not deltas:  # tokens held back still report theirs
+                deltas = [{}]
+            for j, delta in enumerate(deltas):
+                yield chunk(event.index, delta, lps if j == 0 else None)
+            reason = "tool_calls" if event.finish_reason == "stop" and reader.has_calls else event.finish_reason
+        if reason:
+            yield chunk(event.index, {}, None, reason)
     if params.include_usage:
         yield {**base, "choices": [], "usage": run.usage()}
 

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from llama import chat_template
+from llama.chat_template import TemplateUnavailable
 from llama.constraint import Grammar, StructuredUnavailable
 from llama.dialog import encode_dialog, has_special_tags
 from llama.errors import LlamaError
@@ -19,6 +21,7 @@ from llama.sampling import SamplingControls
 from llama.server import tools as tool_calls
 from llama.server.engine import TokenLogprob
 from llama.server.text import token_bytes, token_text
+from llama.tokenizer import special_tokens
 
 ROLES = ("system", "user", "assistant")
 
@@ -70,23 +73,12 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of messages", "messages", "invalid_type")
-    dialog = _merge_tool_results([_message(m, i) for i, m in enumerate(messages)])
+    checked = [_message(m, i) for i, m in enumerate(messages)]
     use = _tools(body)
     if use is not None and body.get("response_format") not in (None, {"type": "text"}):
         raise ApiError(400, "'response_format' and 'tools' each constrain the reply; give one of them", "response_format",
                        "invalid_value")
-    if use is not None:  # the tools go first in the system message, where the model looks for them
-        system = tool_calls.system_text(use)
-        if dialog[0]["role"] == "system":
-            dialog[0] = {"role": "system", "content": system + "\n\n" + dialog[0]["content"]}
-        else:
-            dialog.insert(0, {"role": "system", "content": system})
-    if has_special_tags(dialog, getattr(tokenizer, "chat_format", "llama2")):
-        raise ApiError(400, "messages may not contain the chat format's own tags", "messages", "invalid_value")
-    try:
-        prompt = encode_dialog(tokenizer, dialog)
-    except LlamaError as e:
-        raise ApiError(400, str(e), "messages", "invalid_value") from None
+    prompt = _chat_prompt(tokenizer, checked, use)
     params = _common(body, [prompt], vocab_size, tokenizer)
     if use is not None:
         params.tools, params.grammar = use, tool_calls.grammar(use)
@@ -242,7 +234,9 @@ def _object(body: Any) -> Dict[str, Any]:
     return body
 
 
-def _message(m: Any, i: int) -> Dict[str, str]:
+def _message(m: Any, i: int) -> Dict[str, Any]:
+    """A message checked: its role, its content as a string, an assistant's calls (each's id, name and arguments'
+    JSON text) and a tool result's call id."""
     if not isinstance(m, dict):
         raise ApiError(400, f"messages[{i}] must be an object with a role and content", "messages", "invalid_type")
     role = "system" if m.get("role") == "developer" else m.get("role")
@@ -252,15 +246,6 @@ def _message(m: Any, i: int) -> Dict[str, str]:
     content = m.get("content")
     if content is None and role == "assistant":
         content = ""
-    calls = m.get("tool_calls") if role == "assistant" else None
-    if calls:  # the calls go back into the prompt as the model wrote them
-        try:
-            written = [tool_calls.call_text(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                       for c in calls]
-        except (TypeError, KeyError, ValueError):
-            raise ApiError(400, f"messages[{i}].tool_calls must each be {{'type': 'function', 'function': {{'name': "
-                                "..., 'arguments': JSON text}}", "messages", "invalid_value") from None
-        content = "\n".join(([content] if isinstance(content, str) and content else []) + written)
     if isinstance(content, list):  # content parts: only text ones
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ApiError(400, f"messages[{i}].content parts must all be text ({{'type': 'text', 'text': ...}})",
@@ -268,22 +253,118 @@ def _message(m: Any, i: int) -> Dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
-    if role == "tool":
-        return {"role": "tool", "content": tool_calls.response_text(content)}
-    return {"role": role, "content": content}
+    checked: Dict[str, Any] = {"role": role, "content": content}
+    if role == "assistant" and m.get("tool_calls"):
+        checked["tool_calls"] = []
+        try:
+            for c in m["tool_calls"]:
+                name, arguments = c["function"]["name"], c["function"]["arguments"]
+                json.loads(arguments)
+                if not isinstance(name, str):
+                    raise TypeError(name)
+                checked["tool_calls"].append({"id": c.get("id"), "name": name, "arguments": arguments.strip()})
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise ApiError(400, f"messages[{i}].tool_calls must each be {{'type': 'function', 'function': {{'name': "
+                                "..., 'arguments': JSON text}}", "messages", "invalid_value") from None
+    if role == "tool" and isinstance(m.get("tool_call_id"), str):
+        checked["tool_call_id"] = m["tool_call_id"]
+    return checked
 
 
-def _merge_tool_results(dialog: List[Dict[str, str]]) -> List[Dict[str, str]]:
-    """Tool results as one user turn after the assistant's calls (the chat formats alternate user and assistant)."""
-    out: List[Dict[str, str]] = []
-    for m in dialog:
-        if m["role"] == "tool" and out and out[-1].get("tool"):
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + m["content"]}
-        elif m["role"] == "tool":
-            out.append({"role": "user", "content": m["content"], "tool": True})
+def _chat_prompt(tokenizer, messages: List[Dict[str, Any]], use: Optional[tool_calls.ToolUse]) -> List[int]:
+    """The prompt's tokens: through the model's chat template where the dialog has tools (offered, called or
+    answered) and the template knows them; else in the model's chat format, the tools in the Hermes form."""
+    template = getattr(tokenizer, "chat_template", None)
+    involved = use is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    try:
+        if involved and chat_template.knows_tools(template):
+            return _templated_prompt(tokenizer, template, messages, use)
+    except TemplateUnavailable as e:
+        raise ApiError(500, f"this server cannot run the model's chat template: {e}", None,
+                       "chat_template_unavailable") from None
+    dialog = _hermes_dialog(messages, use)
+    if has_special_tags(dialog, getattr(tokenizer, "chat_format", "llama2")):
+        raise ApiError(400, "messages may not contain the chat format's own tags", "messages", "invalid_value")
+    try:
+        return encode_dialog(tokenizer, dialog)
+    except LlamaError as e:
+        raise ApiError(400, str(e), "messages", "invalid_value") from None
+
+
+def _hermes_dialog(messages: List[Dict[str, Any]], use: Optional[tool_calls.ToolUse]) -> List[Dict[str, str]]:
+    """The dialog with tools in the Hermes form: the tools first in the system message, where the model looks for
+    them; calls as the model wrote them; results as one user turn after the calls (the chat formats alternate user
+    and assistant)."""
+    dialog: List[Dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            result = tool_calls.response_text(m["content"])
+            if dialog and dialog[-1].get("tool"):
+                dialog[-1]["content"] += "\n" + result
+            else:
+                dialog.append({"role": "user", "content": result, "tool": True})
+        elif m.get("tool_calls"):
+            written = [tool_calls.call_text(c["name"], c["arguments"]) for c in m["tool_calls"]]
+            content = "\n".join(([m["content"]] if m["content"] else []) + written)
+            dialog.append({"role": "assistant", "content": content})
         else:
-            out.append(m)
-    return [{"role": m["role"], "content": m["content"]} for m in out]
+            dialog.append({"role": m["role"], "content": m["content"]})
+    if use is not None:
+        system = tool_calls.system_text(use)
+        if dialog[0]["role"] == "system":
+            dialog[0] = {"role": "system", "content": system + "\n\n" + dialog[0]["content"]}
+        else:
+            dialog.insert(0, {"role": "system", "content": system})
+    return [{"role": m["role"], "content": m["content"]} for m in dialog]
+
+
+def _templated_prompt(tokenizer, template: str, messages: List[Dict[str, Any]],
+                      use: Optional[tool_calls.ToolUse]) -> List[int]:
+    """The dialog through the model's own template, in the shape transformers gives one: an assistant's calls with
+    their arguments as JSON values, the tools as OpenAI's function objects."""
+    shaped = []
+    for m in messages:
+        out = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls"):
+            out["tool_calls"] = [{**({"id": c["id"]} if c["id"] is not None else {}), "type": "function",
+                                  "function": {"name": c["name"], "arguments": json.loads(c["arguments"])}}
+                                 for c in m["tool_calls"]]
+        if "tool_call_id" in m:
+            out["tool_call_id"] = m["tool_call_id"]
+        shaped.append(out)
+    tools = None if use is None else [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in use.tools]
+    # The template writes the special tokens; text from the request must not forge them.
+    special = set(special_tokens(tokenizer).values())
+    for param, given in [("messages", shaped), ("tools", tools or [])]:
+        forged = sorted({t for text in _strings(given) for t in special if t and t in text})
+        if forged:
+            raise ApiError(400, f"{param} may not contain the model's special tokens ({', '.join(forged)})", param,
+                           "invalid_value")
+    try:
+        text = chat_template.render(template, shaped, tools,
+                                    bos_token=chat_template.token_text(tokenizer, tokenizer.bos_id),
+                                    eos_token=chat_template.token_text(tokenizer, tokenizer.eos_id))
+    except LlamaError as e:
+        raise ApiError(400, str(e), "messages", "invalid_value") from None
+    prompt = chat_template.encode_rendered(tokenizer, text)
+    if not prompt:
+        raise ApiError(400, "the model's chat template renders these messages as no text", "messages", "invalid_value")
+    return prompt
+
+
+def _strings(value: Any):
+    """Every string in a JSON value, its keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def _tools(body: Dict[str, Any]) -> Optional[tool_calls.ToolUse]:
