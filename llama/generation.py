@@ -6,42 +6,29 @@ same logits; the cache only saves the work of recomputing keys and values of pos
 """
 
 import gc
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Set, Tuple, TypedDict, Union
 
 import torch
 
+from llama.compile.step import CompiledStep
 from llama.constraint import Constraint, Grammar
 from llama.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
-from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
-from llama.compile import aot
-from llama.compile.step import CompileFailed, CompiledStep, compile_step, eager_note
-from llama.convert.cache import resolve_checkpoint
-from llama.runtime.devices import check_fits, local_device, resolve_device, resolve_dtype
-from llama.runtime.distributed import init_distributed
 from llama.errors import LlamaError
+from llama.kv_cache import KVCache
+from llama.load import LoadInfo, load
+from llama.model import Transformer
+from llama.nn.session import Session
+from llama.run_plan import ModelFlags
+from llama.runtime.devices import check_fits
+from llama.runtime.progress import Progress
 from llama.sampling import (  # noqa: F401 (Meta's names, here too)
     SamplingControls, apply_controls, check_controls, check_finite, check_sampling, logprobs_of, sample, sample_top_p,
 )
-from llama import kernels
-from llama.kv_cache import KVCache
-from llama.model import Transformer
-from llama.nn.parallel import parallelize
-from llama.nn.session import Session
-from llama.runtime.progress import Progress
-from llama.run_plan import Facts, ModelFlags, RunPlan, plan_run
-from llama.quant.format import read_record
-from llama.quant.dot_linears import DotLinear
-from llama.quant.layer import QuantizedLinear
-from llama.quant.layer_plan import Kernels, LayerPlan
-from llama.quant.quantize import check_method, plan_for, slow_path_note
 from llama.speculative import (DEFAULT_DRAFT_TOKENS, Drafter, Speculation, SpeculationStats, check_speculation,
                                new_drafter)
 from llama.tokenizer import Tokenizer
-from llama.io.weights import choose_dtype, load_weights, resolve_plan
 
 
 class CompletionPrediction(TypedDict, total=False):
@@ -112,35 +99,6 @@ def _trim(prompt_tokens: List[List[int]], tokens: torch.Tensor, token_logprobs: 
         if token_logprobs is not None:
             out_logprobs.append(token_logprobs[i, start : len(toks)].tolist())
     return out_tokens, (out_logprobs if token_logprobs is not None else None)
-
-
-@dataclass
-class LoadInfo:
-    """What `Llama.build` loaded, from where and how, and what it decided that the user should hear of."""
-
-    ckpt_dir: Optional[Path] = None  # where the weights were read; None for a model built in memory
-    quantization: Optional[str] = None  # how the linear layers are held: None (float), "int8", "int4-g32", ...
-    rank: int = 0
-    world_size: int = 1
-    notes: List[str] = field(default_factory=list)
-    load_seconds: float = 0.0
-    compile_seconds: float = 0.0
-    quant_kernels: Optional[str] = None  # what quantized layers multiply with: "integer" or "exact"; None: float
-    layer_plan: Optional[LayerPlan] = None  # the class each layer was made (llama/quant/layer_plan.py)
-    plan: Optional[RunPlan] = None  # how the run was planned (llama/run_plan.py)
-
-
-def _make_step(model: Transformer, plan: RunPlan, progress: Optional[Progress], notes: List[str]) -> Optional[CompiledStep]:
-    """The compiled step `plan` says, or None where compile="auto" finds none to be had (`notes` then says why)."""
-    try:
-        step = compile_step(model, progress, eager_otherwise=not plan.strict, batch_size=plan.compile_batch_size)
-    except CompileFailed as e:
-        if plan.strict:
-            raise
-        notes.append(eager_note(e.reason))
-        return None
-    notes += step.notes
-    return step if plan.strict or step.ahead_of_time is not None else None
 
 
 class Llama:
@@ -228,58 +186,10 @@ class Llama:
 
     @staticmethod
     def from_flags(flags: ModelFlags, progress: Optional[Progress] = None) -> "Llama":
-        """`Llama.build` with its arguments as one `ModelFlags` (llama/run_plan.py), as the commands hold them: the
-        facts gathered, the run planned once (`plan_run`), the weights loaded as planned and the step made."""
-        flags = flags.checked()
-        ckpt_dir = Path(resolve_checkpoint(flags.ckpt_dir, progress))
-        device = local_device(resolve_device(flags.device))
-        block_scales = device.type == "cpu" and flags.quant_kernels == "integer"  # what the memory check counts
-        dtype = resolve_dtype(flags.dtype, device)
-        rank, world_size = init_distributed(device, flags.model_parallel_size)
-        params = read_params(ckpt_dir)
-        tokenizer = Tokenizer(str(flags.tokenizer_path or find_tokenizer(ckpt_dir)))
-        args = model_args(params, flags.max_seq_len, flags.max_batch_size, tokenizer.n_words,
-                          source=str(ckpt_dir / "params.json"))
-
-        start = time.perf_counter()
-        with torch.device("meta"):
-            model = Transformer(args)
-        if world_size > 1:
-            model = parallelize(model, world_size)
-        if flags.dtype is not None and read_record(ckpt_dir) is None:
-            # Refuse a model that cannot fit before even opening its files.
-            choose_dtype(None, args, plan_for(model, check_method(flags.quantize)) if flags.quantize else {}, dtype,
-                         explicit=True, device=device, world_size=world_size, block_scales=block_scales)
-        reader = CheckpointReader(ckpt_dir)  # memory-mapped: nothing read yet
-        reader.check(args)
-        quant = resolve_plan(model, reader, flags.quantize)
-        # Refuse before reading gigabytes that cannot fit.
-        dtype, dtype_notes = choose_dtype(reader, args, quant, dtype, flags.dtype is not None, device, world_size,
-                                          block_scales)
-        facts = Facts(device, world_size, aot.used(device), quant, dtype, tuple(dtype_notes), Kernels.here(),
-                      kernels.unavailable_reason())
-        plan = plan_run(flags, facts)
-        if plan.needs_kernels and not kernels.loaded():  # planned again with what loading them found
-            kernels.load(progress)
-            plan = plan_run(flags, replace(facts, kernels=Kernels.here(), kernels_missing=kernels.unavailable_reason()))
-        model, layer_plan = load_weights(model, reader, args, plan.quant, rank, world_size, device, plan.dtype,
-                                         compiled=plan.compiled_layers, integer=plan.integer, have=plan.kernels,
-                                         progress=progress, exact_float=plan.exact_float)
-        model.kv_cache_dtype = plan.kv_cache_dtype if plan.kv_cache_dtype != plan.dtype else None
-        notes = list(plan.notes)
-        quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-        on_exact_paths = [m for m in quantized if not isinstance(m, DotLinear)]
-        if on_exact_paths and device.type == "cpu" and plan.dtype == torch.float32 and plan.step == "eager":
-            notes.append(slow_path_note(plan.quant, world_size))
-        running = None if not quantized else "exact" if on_exact_paths else "integer"
-        info = LoadInfo(ckpt_dir, plan.quantization, rank, world_size, notes, quant_kernels=running,
-                        layer_plan=layer_plan, plan=plan)
-        llama = Llama(model, tokenizer, seed=flags.seed, info=info)
-        if plan.step != "eager":
-            compile_start = time.perf_counter()
-            llama.compiled_step = _make_step(model, plan, progress, info.notes)
-            info.compile_seconds = time.perf_counter() - compile_start
-        info.load_seconds = time.perf_counter() - start
+        """`Llama.build` with its arguments as one `ModelFlags` (llama/run_plan.py), as the commands hold them."""
+        loaded = load(flags, progress)
+        llama = Llama(loaded.model, loaded.tokenizer, seed=flags.seed, info=loaded.info)
+        llama.compiled_step = loaded.step
         return llama
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, seed: int = 1, info: Optional[LoadInfo] = None):
