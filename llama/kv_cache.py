@@ -78,7 +78,7 @@ def load_kv(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tens
 
 def as_read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A cache's rows as attention takes them: int8 rows, and bf16 rows for float32 activations, as stored (the model
-    converts them where its attention cannot read them, `model.reads_cache_rows`); other float rows in the
+    converts them where its attention cannot read them, `ScaledDotProductAttention.reads_cache_rows`); other float rows in the
     activations' dtype."""
     if rows.dtype == torch.int8 or (rows.dtype == torch.bfloat16 and dtype == torch.float32):
         return rows

@@ -110,7 +110,7 @@ def load(flags: ModelFlags, progress: Optional[Progress] = None) -> Loaded:
         plan = plan_run(flags, replace(facts, kernels=Kernels.here(), kernels_missing=kernels.unavailable_reason()))
     model, layer_plan = load_weights(model, reader, args, plan.quant, rank, world_size, device, plan.dtype,
                                      compiled=plan.compiled_layers, integer=plan.integer, have=plan.kernels,
-                                     progress=progress, exact_float=plan.exact_float)
+                                     progress=progress, row_exact_float=plan.row_exact_float)
     model.kv_cache_dtype = plan.kv_cache_dtype if plan.kv_cache_dtype != plan.dtype else None
     notes = list(plan.notes)
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]

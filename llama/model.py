@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama import kernels
 from llama.kv_cache import KVCache, KVRounding, PagedKVCache, being_traced, kv_row_width, load_kv
 
 
@@ -136,28 +135,15 @@ class Rotary(nn.Module):
         return apply_rotary_emb(x, freqs_cis)
 
 
-def reads_cache_rows(q: torch.Tensor) -> bool:
-    """Whether attention for these queries reads an int8 or bf16 cache's rows as they are (`llama_kv.attention`
-    dequantizes or widens a block of keys at a time as it goes: float32 queries on the CPU, the kernels loaded)
-    rather than converted first (`load_kv`). The same bits either way (`FEW_ROWS` says what reading them saves)."""
-    return q.device.type == "cpu" and q.dtype == torch.float32 and kernels.loaded()
-
-
-# Query rows (a KV head's, grouped-query heads folded in) up to which attention on the CPU runs `llama_kv.attention`
-# rather than torch's fused kernel: a decode step's. It reads a bf16 cache's rows as they are, where converting them
-# writes and reads the cache again, and shares a step's few rows among the threads by parts of the keys. A prompt's
-# many rows are arithmetic, where the fused kernel is faster (docs/benchmarks.md, "Figures behind the code").
-FEW_ROWS = 64
-
-
 class ScaledDotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + mask) v, by torch's fused kernel; over an int8 cache's rows, and for a step's few
-    float32 rows on the CPU (`reads_cache_rows`, `FEW_ROWS`), by `llama_kv.attention`. A module of its own, holding
-    nothing, so that a model on the integer kernels can swap it for a row-exact one (llama/nn/row_attention.py)."""
+    """softmax(q k^T / sqrt(d) + mask) v, by torch's fused kernel. A module of its own, holding nothing, so that the
+    layer plan can swap in the CPU kernels' attention (llama/nn/row_attention.py)."""
+
+    def reads_cache_rows(self, q: torch.Tensor) -> bool:
+        """Whether it takes an int8 or bf16 cache's rows as they are; this one takes them converted (`load_kv`)."""
+        return False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if k.dtype == torch.int8 or (q.shape[-2] <= FEW_ROWS and reads_cache_rows(q)):
-            return torch.ops.llama_kv.attention(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
 
 
@@ -203,7 +189,7 @@ class Attention(nn.Module):
         if cache is not None:
             keys, values = cache.update_at(input_pos, keys, values, kv_len)  # (bsz, n_kv_heads, >= kv_len, head_dim)
         keys, values = keys[:, :, :kv_len], values[:, :, :kv_len]
-        if keys.dtype != xq.dtype and not reads_cache_rows(xq):  # a cache's rows (llama/kv_cache.py)
+        if keys.dtype != xq.dtype and not self.attend.reads_cache_rows(xq):  # a cache's rows (llama/kv_cache.py)
             keys, values = load_kv(keys, self.head_dim, xq.dtype), load_kv(values, self.head_dim, xq.dtype)
 
         # Grouped-query attention without repeating keys and values: query head h reads KV head

@@ -15,7 +15,7 @@ from llama.compile.step import default_compile, kv_cache_dtype_note
 from llama.errors import LlamaError
 from llama.kv_cache import resolve_kv_cache_dtype
 from llama.quant.format import Plan, is_linear_weight
-from llama.quant.layer_plan import Kernels, exact_floats
+from llama.quant.layer_plan import Kernels, row_exact_floats
 from llama.quant.quantize import check_method, check_quant_kernels, describe_plan
 
 Compile = Union[bool, str]  # True, False or "auto"
@@ -81,7 +81,7 @@ class RunPlan:
     kv_cache_dtype: torch.dtype  # what the KV cache holds keys and values in
     quant: Plan = field(default_factory=dict)  # what the linear layers hold quantized
     integer: bool = False  # quantized layers on the integer kernels (llama/quant/dot_linears.py)
-    exact_float: bool = False  # float32 products, attention, rotary and norms row-exact (for an int8 cache)
+    row_exact_float: bool = False  # float32 products, attention, rotary and norms row-exact (for an int8 cache)
     compiled_layers: bool = False  # layers planned for a compiled decode step (llama/quant/layer_plan.py)
     step: str = "eager"  # one of STEPS: how the decode step with the cache runs
     strict: bool = False  # compile=True: every step compiled (by torch.compile where no package serves), a failure
@@ -110,6 +110,13 @@ class RunPlan:
         return ", ".join(parts)
 
 
+def check_one_process(world_size: int) -> None:
+    """compile=True's refusal under torchrun: a compiled step runs in one process (the default's too, where it
+    compiles nothing)."""
+    if world_size > 1:
+        raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
+
+
 def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     """The run `flags` ask for on the machine and checkpoint `facts` describe (flags `checked` first).
 
@@ -121,8 +128,8 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     notes = list(facts.dtype_notes)
     auto = flags.compile == "auto"
     compile = cpu and facts.world_size == 1 if auto else bool(flags.compile)
-    if compile and facts.world_size > 1:
-        raise LlamaError(f"compile=True runs in one process, not under torchrun with {facts.world_size} processes")
+    if compile:
+        check_one_process(facts.world_size)
     if flags.compile_layers is None:
         compiled_layers = compile
     else:  # llama-server's step, which "auto" compiles only from stored packages
@@ -143,14 +150,14 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
         integer = False
     # Keys and values rounded to int8: every float32 product row-exact too, so that the cached and uncached passes,
     # which compute a key among different rows, round it alike (llama/quant/linears.py, RowExactLinear).
-    exact_float = exact_floats(kv_dtype == torch.int8, facts.dtype, cpu, facts.kernels)
+    row_exact_float = row_exact_floats(kv_dtype == torch.int8, facts.dtype, cpu, facts.kernels)
     if not compile:
         step = "eager"
     elif facts.stored_step:
         step = "stored"
     else:
         step = "eager" if auto else "torch.compile"
-    return RunPlan(facts.device, facts.world_size, facts.dtype, kv_dtype, dict(facts.quant), integer, exact_float,
+    return RunPlan(facts.device, facts.world_size, facts.dtype, kv_dtype, dict(facts.quant), integer, row_exact_float,
                    compiled_layers, step, strict=compile and not auto,
                    compile_batch_size=flags.compile_batch_size, kernels=facts.kernels, needs_kernels=needs_kernels,
                    notes=tuple(notes))

@@ -209,9 +209,9 @@ def test_a_steps_few_rows_take_the_op_and_a_prompts_many_the_fused_kernel(cache)
     """Float32 queries on the CPU: a decode step's few rows go to `llama_kv.attention`, which reads a bf16 cache's rows
     as they are (the same bits as converting them first) and shares a long cache among the threads; a prompt's many
     rows go to torch's fused kernel (over the cache converted to float32)."""
-    from llama.model import FEW_ROWS, ScaledDotProductAttention
+    from llama.nn.row_attention import FEW_ROWS, KernelAttention
     assert kernels.load(), kernels.unavailable_reason()
-    attend = ScaledDotProductAttention()
+    attend = KernelAttention()
     gen = torch.Generator().manual_seed(3)
     k, v = (torch.randn(1, 2, 300, 64, generator=gen).to(cache) for _ in range(2))
     for rows in (3, FEW_ROWS + 1):

@@ -64,10 +64,10 @@ def test_quantized_layers_take_the_integer_kernels_only_on_the_cpu_where_they_lo
 
 
 def test_an_int8_cache_makes_float32_products_row_exact_where_the_kernels_are():
-    assert plan_run(flags(kv_cache_dtype="int8"), facts()).exact_float
-    assert not plan_run(flags(kv_cache_dtype="int8"), facts(kernels=Kernels())).exact_float
-    assert not plan_run(flags(kv_cache_dtype="int8"), facts(dtype=torch.bfloat16)).exact_float
-    assert not plan_run(flags(), facts()).exact_float
+    assert plan_run(flags(kv_cache_dtype="int8"), facts()).row_exact_float
+    assert not plan_run(flags(kv_cache_dtype="int8"), facts(kernels=Kernels())).row_exact_float
+    assert not plan_run(flags(kv_cache_dtype="int8"), facts(dtype=torch.bfloat16)).row_exact_float
+    assert not plan_run(flags(), facts()).row_exact_float
 
 
 @pytest.mark.parametrize("bad, message", [(dict(quant_kernels="fast"), "quant_kernels=fast"),

@@ -1,6 +1,5 @@
 """Loading the model the way every command does: flags in, a ready Llama out."""
 
-import os
 import re
 import sys
 from dataclasses import replace
@@ -14,6 +13,7 @@ from llama.runtime.devices import resolve_device
 from llama.convert.fetch import default_model_dir
 from llama.errors import LlamaError, first_line
 from llama.generation import Llama
+from llama.runtime.distributed import launched_rank
 from llama.runtime.progress import Progress
 from llama.run_plan import ModelFlags
 
@@ -34,7 +34,7 @@ def build_from_flags(flags: ModelFlags) -> Llama:
     llama = Llama.from_flags(
         replace(flags, ckpt_dir=ckpt_dir if ckpt_dir is not None else default_ckpt_dir()),
         # Under torchrun every rank loads alike: rank 0's reports stand for all.
-        progress=_progress(ckpt_dir) if os.environ.get("RANK", "0") == "0" else None,
+        progress=_progress(ckpt_dir) if launched_rank() == 0 else None,
     )
     if is_main_rank(llama):  # every rank loads alike; one copy of each note is enough
         for note in llama.info.notes:
@@ -56,7 +56,7 @@ def _progress(ckpt_dir: Optional[str]) -> Progress:
 def converted(ckpt_dir: str) -> str:
     """A checkpoint directory for --ckpt-dir: a GGUF file or Hugging Face folder is converted once into
     $LLAMA_HOME/converted (llama/convert/cache.py), saying where, how much disk it takes and how it goes."""
-    if os.environ.get("RANK", "0") != "0":  # under torchrun every rank resolves alike; rank 0 speaks for all
+    if launched_rank() != 0:  # under torchrun every rank resolves alike; rank 0 speaks for all
         return str(resolve_checkpoint(ckpt_dir))
     say = lambda line: print(f"llama-convert: {line}", file=sys.stderr, flush=True)  # noqa: E731
     return str(resolve_checkpoint(ckpt_dir, ProgressPrinter(prefix="llama-convert: "), say))

@@ -25,6 +25,7 @@ from llama.compile import aot
 from llama.compile.step import kv_cache_dtype_note
 from llama.convert.fetch import DEFAULT_MODEL
 from llama.run_plan import ModelFlags
+from llama.runtime.distributed import launched_rank
 from llama.errors import LlamaError
 from llama.runtime.devices import local_device, resolve_device
 
@@ -179,7 +180,7 @@ def main(
 
     runner_settings = dict(parallel=parallel, kv_cache_size=kv_cache_tokens, block_size=block_size,
                            kv_cache=not no_kv_cache, compile=compile)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0 serves, the others run its steps
+    if launched_rank() != 0:  # under torchrun: rank 0 serves, the others run its steps
         from llama.server.app import follow_steps
 
         follow_steps(load(), say=_say, **runner_settings)

@@ -24,7 +24,7 @@ from llama.runtime.pages import huge_empty, release_pages, return_free_memory, s
 from llama.runtime.progress import Progress, or_silent
 from llama.quant.embedding import swap_embedding
 from llama.quant.format import DEFAULT_INT4_GROUP_SIZE, EMBEDDING_WEIGHT, Plan, is_linear_weight, quantized_shapes
-from llama.quant.layer_plan import Kernels, LayerPlan, apply_layer_plan, describe_layers, exact_floats, plan_layers
+from llama.quant.layer_plan import Kernels, LayerPlan, apply_layer_plan, describe_layers, row_exact_floats, plan_layers
 from llama.quant.quantize import check_method, describe_plan, layer_method, plan_for, quantize_weight, swap_linears
 from llama.nn.sharding import split_dim
 
@@ -149,7 +149,7 @@ def choose_dtype(source: Optional[CheckpointReader], args: ModelArgs, plan: Plan
 def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, plan: Plan, rank: int, world_size: int,
                  device: torch.device, dtype: torch.dtype, compiled: bool, integer: bool = True,
                  have: Optional[Kernels] = None, progress: Optional[Progress] = None,
-                 exact_float: bool = False) -> Tuple[nn.Module, LayerPlan]:
+                 row_exact_float: bool = False) -> Tuple[nn.Module, LayerPlan]:
     """Fill `model` (built on the meta device, already split for `world_size` ranks) from `source`, and make each
     layer the class its layer plan says (llama/quant/layer_plan.py); returns the model and the plan.
 
@@ -165,11 +165,11 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
             than on the exact weight-only paths.
         have: the kernels the plan may choose (None: what the process has loaded, `Kernels.here()`).
         progress: told ("loading weights", tensors done, tensors in all) as it goes.
-        exact_float: float32 layers row-exact too (`plan_layers`), their weights row-major.
+        row_exact_float: float32 layers row-exact too (`plan_layers`), their weights row-major.
     """
     have = have or Kernels.here()
-    exact_float = exact_floats(exact_float, dtype, device.type == "cpu", have)
-    input_major = device.type == "cpu" and not compiled and not exact_float
+    row_exact_float = row_exact_floats(row_exact_float, dtype, device.type == "cpu", have)
+    input_major = device.type == "cpu" and not compiled and not row_exact_float
     progress = or_silent(progress)
     full_shapes = expected_shapes(args)
     stored = _quantized_shapes(full_shapes, source.stored_plan)
@@ -229,7 +229,7 @@ def load_weights(model: nn.Module, source: CheckpointReader, args: ModelArgs, pl
     layers = None  # nor the old layers, which apply_layer_plan frees one parent at a time
     specs, groups = describe_layers(model)
     layer_plan = plan_layers(specs, model.dtype, model.device.type, compiled, have, integer, groups,
-                             exact_float=exact_float)
+                             row_exact_float=row_exact_float)
     apply_layer_plan(model, layer_plan)
     layers = dict(model.named_modules())
     for name, tensor in stored:

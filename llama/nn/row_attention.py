@@ -1,4 +1,8 @@
-"""Attention and rotary embedding computed row by row in one fixed order, for models on the integer kernels.
+"""Attention, rotary embedding and norms on the CPU kernels: over a cache's rows as stored, and row by row in one fixed
+order for models on the integer kernels.
+
+`KernelAttention` is the attention of every CPU model with the kernels loaded: a step's few rows, and any over an int8
+cache, through `torch.ops.llama_kv.attention`, which reads the cache's rows as they are stored.
 
 Rounding activations to int8 (llama/quant/dot_linears.py) amplifies tiny differences: the 1e-7 by which torch's
 fused attention gives a position's output when it is computed alone (a cached step) or among all positions
@@ -19,10 +23,30 @@ from typing import Optional
 
 import torch
 
-from llama.model import FEW_ROWS, RMSNorm, Rotary, ScaledDotProductAttention, rotation_pairs
+from llama.model import RMSNorm, Rotary, ScaledDotProductAttention, rotation_pairs
+
+# Query rows (a KV head's, grouped-query heads folded in) up to which attention on the CPU runs `llama_kv.attention`
+# rather than torch's fused kernel: a decode step's. It reads a bf16 cache's rows as they are, where converting them
+# writes and reads the cache again, and shares a step's few rows among the threads by parts of the keys. A prompt's
+# many rows are arithmetic, where the fused kernel is faster (docs/benchmarks.md, "Figures behind the code").
+FEW_ROWS = 64
 
 
-class RowExactAttention(ScaledDotProductAttention):
+class KernelAttention(ScaledDotProductAttention):
+    """The same attention as its base class, over an int8 cache's rows and for a step's few float32 rows on the CPU
+    (`FEW_ROWS`) by `llama_kv.attention`, which dequantizes or widens a block of keys at a time as it goes: the same
+    bits as converting the cache first. The layer plan swaps it in on the CPU wherever the kernels are loaded."""
+
+    def reads_cache_rows(self, q: torch.Tensor) -> bool:
+        return q.device.type == "cpu" and q.dtype == torch.float32
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if k.dtype == torch.int8 or (q.shape[-2] <= FEW_ROWS and self.reads_cache_rows(q)):
+            return torch.ops.llama_kv.attention(q, k, v, mask)
+        return super().forward(q, k, v, mask)
+
+
+class RowExactAttention(KernelAttention):
     """The same attention as its base class, each query row computed alone in one fixed order (CPU). A bf16 cache's
     rows are widened once for a prompt's many query rows rather than a block at a time by each tile of them: the
     same bits (widening is exact)."""

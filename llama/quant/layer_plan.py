@@ -19,14 +19,14 @@ steps, and the eager and stored steps of the default mode multiply with the same
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Dict, Mapping, Optional, Tuple, Type
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from llama import kernels as kernel_ops
 from llama.model import RMSNorm, Rotary, ScaledDotProductAttention
-from llama.nn.row_attention import RowExactAttention, RowExactRMSNorm, RowExactRotary
+from llama.nn.row_attention import KernelAttention, RowExactAttention, RowExactRMSNorm, RowExactRotary
 from llama.quant import fuse
 from llama.quant.dot_linears import (DotLinear, Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear,
                                      Int8SixteensDotLinear, dot_class, minimums_are_minus_8_scales)
@@ -135,12 +135,13 @@ class LayerPlan:
     classes: Mapping[str, type] = field(default_factory=dict)
     fused: Mapping[str, type] = field(default_factory=dict)
     row_exact: bool = False
+    kernel_attention: bool = False  # attention through llama/kernels where it reads a cache's rows (`KernelAttention`)
     pages: bool = True  # re-packed layers under 2 MiB side by side on 2 MiB pages (llama/runtime/pages.py)
 
 
 def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str, compiled: bool, have: Kernels,
                 integer: Optional[bool] = None, groups: Mapping[str, type] = MappingProxyType({}), fuse: bool = True,
-                pages: bool = True, exact_float: bool = False) -> LayerPlan:
+                pages: bool = True, row_exact_float: bool = False) -> LayerPlan:
     """The class of every linear layer, decided from what it is given alone.
 
     Args:
@@ -156,13 +157,13 @@ def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str
             (`describe_layers`); they are where the projections all become one integer-kernel class that can
             join them, unless `fuse` is False.
         pages: re-packed layers go on 2 MiB pages.
-        exact_float: float32 layers too become row-exact (`RowExactLinear`, and quantized ones off the integer
+        row_exact_float: float32 layers too become row-exact (`RowExactLinear`, and quantized ones off the integer
             kernels `RowExactInt8Linear` / `RowExactInt4Linear`), with attention, the rotary embedding and the
             norms: asked where keys and values are rounded to int8, so that a position computed alone and among
             others rounds them alike.
     """
     cpu = device == "cpu"
-    classes = {name: _layer_class(spec, dtype, cpu, compiled, have, integer, exact_float)
+    classes = {name: _layer_class(spec, dtype, cpu, compiled, have, integer, row_exact_float)
                for name, spec in layers.items()}
     fused = {}
     for parent, fused_class in (groups.items() if fuse else ()):
@@ -174,21 +175,21 @@ def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str
         if all(classes[n] is cls for n in names) and issubclass(cls, DotLinear) and cls.can_join(specs):
             fused[parent] = fused_class
     row_exact = any(issubclass(cls, (DotLinear, RowExactLinear, RowExactWidening)) for cls in classes.values())
-    return LayerPlan(dtype, MappingProxyType(classes), MappingProxyType(fused), row_exact, pages)
+    return LayerPlan(dtype, MappingProxyType(classes), MappingProxyType(fused), row_exact, cpu and have.ours, pages)
 
 
-def exact_floats(exact_float: bool, dtype: torch.dtype, cpu: bool, have: Kernels) -> bool:
-    """Whether `exact_float` can be had: float32 on the CPU with llama/kernels loaded (`llama_kv.f32_linear`). The
+def row_exact_floats(row_exact_float: bool, dtype: torch.dtype, cpu: bool, have: Kernels) -> bool:
+    """Whether `row_exact_float` can be had: float32 on the CPU with llama/kernels loaded (`llama_kv.f32_linear`). The
     loader asks it too, to keep such weights row-major."""
-    return exact_float and cpu and have.ours and dtype == torch.float32
+    return row_exact_float and cpu and have.ours and dtype == torch.float32
 
 
 def _layer_class(spec: LayerSpec, dtype: torch.dtype, cpu: bool, compiled: bool, have: Kernels,
-                 integer: Optional[bool], exact_float: bool = False) -> type:
+                 integer: Optional[bool], row_exact_float: bool = False) -> type:
     """One layer's class: `LINEAR_CLASSES`' "chosen" column, in code."""
-    exact_float = exact_floats(exact_float, dtype, cpu, have)
+    row_exact_float = row_exact_floats(row_exact_float, dtype, cpu, have)
     if not spec.method:
-        if exact_float and spec.row_major:
+        if row_exact_float and spec.row_major:
             return RowExactLinear
         if not (cpu and compiled):
             return nn.Linear
@@ -198,7 +199,7 @@ def _layer_class(spec: LayerSpec, dtype: torch.dtype, cpu: bool, compiled: bool,
             cls = dot_class(spec.method, spec.in_features, spec.group_size, spec.zero_point)
             if cls is not None:
                 return cls
-    if exact_float:
+    if row_exact_float:
         return RowExactInt8Linear if spec.method == "int8" else RowExactInt4Linear
     if spec.method == "int8":
         kernel = cpu and have.int8pack and spec.n_groups == 1
@@ -275,14 +276,17 @@ def apply_layer_plan(model: nn.Module, plan: LayerPlan) -> nn.Module:
                 # Hand the old layers' freed heap memory back now: the integer kernels' new ones live in mappings
                 # of their own (2 MiB pages, llama/runtime/pages.py), which would not reuse it.
                 return_free_memory()
-    # Row-exact where the integer kernels run, or keys and values are rounded to int8 (`exact_float`): either
+    # Row-exact where the integer kernels run, or keys and values are rounded to int8 (`row_exact_float`): either
     # rounding would amplify any difference between a position computed alone and among others, or compiled and
     # eager; torch's own ops otherwise.
-    swaps = {ScaledDotProductAttention: RowExactAttention, Rotary: RowExactRotary, RMSNorm: RowExactRMSNorm}
+    attention = RowExactAttention if plan.row_exact else KernelAttention if plan.kernel_attention else \
+        ScaledDotProductAttention
+    swaps = {ScaledDotProductAttention: attention, Rotary: RowExactRotary if plan.row_exact else Rotary,
+             RMSNorm: RowExactRMSNorm if plan.row_exact else RMSNorm}
     for module in model.modules():
-        for plain, row_exact in swaps.items():
+        for plain, chosen in swaps.items():
             if isinstance(module, plain):
-                module.__class__ = row_exact if plan.row_exact else plain
+                module.__class__ = chosen
                 break
     return model
 

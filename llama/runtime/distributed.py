@@ -42,6 +42,11 @@ def init_distributed(device: torch.device, model_parallel_size: Optional[int] = 
     return rank, dist.get_world_size()
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun started it ($RANK), known before any group is joined; 0 outside torchrun."""
+    return int(os.environ.get("RANK", "0"))
+
+
 PRINT_ALL_RANKS = "LLAMA_PRINT_ALL_RANKS"
 
 

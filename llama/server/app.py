@@ -21,6 +21,7 @@ from llama.generation import Llama
 from llama.io.identity import model_identity
 from llama.io.kv_blocks import BlockSpec
 from llama.kv_cache import describe_kv_cache
+from llama.run_plan import check_one_process
 from llama.runtime.devices import available_memory
 from llama.runtime.progress import Progress
 from llama.server.disk_cache import DEFAULT_MAX_BYTES, DiskCache, check_disk_cache, prepare_directory
@@ -53,8 +54,8 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
         LlamaError: the KV cache does not fit the device's memory, or compile=True under torchrun.
     """
     world_size = llama.info.world_size
-    if compile is True and world_size > 1:
-        raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
+    if compile is True:
+        check_one_process(world_size)
     if world_size > 1:
         compile = False  # the default's stored step runs in one process, as the commands
     model = llama.model

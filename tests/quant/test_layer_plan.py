@@ -19,8 +19,8 @@ INT8 = LayerSpec(64, 64, "int8")
 INT4 = LayerSpec(64, 64, "int4", 32)
 
 
-def one(spec, dtype=torch.float32, device="cpu", compiled=False, have=ALL, integer=None, exact_float=False):
-    return plan_layers({"w": spec}, dtype, device, compiled, have, integer, exact_float=exact_float).classes["w"]
+def one(spec, dtype=torch.float32, device="cpu", compiled=False, have=ALL, integer=None, row_exact_float=False):
+    return plan_layers({"w": spec}, dtype, device, compiled, have, integer, row_exact_float=row_exact_float).classes["w"]
 
 
 def test_float_layers_take_the_reductions_only_compiled_on_the_cpu():
@@ -33,23 +33,23 @@ def test_float_layers_take_the_reductions_only_compiled_on_the_cpu():
 
 
 def test_float32_layers_become_row_exact_where_asked_and_the_kernels_can():
-    """exact_float (an int8 KV cache): float32 CPU layers on f32_linear at every row count, eager or compiled
+    """row_exact_float (an int8 KV cache): float32 CPU layers on f32_linear at every row count, eager or compiled
     (quantized ones off the integer kernels too, widened), and attention, the rotary embedding and the norms with
     them; not in bf16, on a GPU, or without the kernels."""
     for compiled in (False, True):
-        assert one(FLOAT, compiled=compiled, exact_float=True) is RowExactLinear
-        assert plan_layers({"w": FLOAT}, torch.float32, "cpu", compiled, ALL, exact_float=True).row_exact
-    assert one(FLOAT, torch.bfloat16, exact_float=True) is nn.Linear
-    assert one(FLOAT, device="cuda", exact_float=True) is nn.Linear
-    assert one(FLOAT, have=Kernels(), exact_float=True) is nn.Linear
-    assert not plan_layers({"w": FLOAT}, torch.float32, "cpu", False, Kernels(), exact_float=True).row_exact
-    assert one(LayerSpec(64, 64, row_major=False), exact_float=True) is nn.Linear
-    assert one(INT8, integer=True, exact_float=True) is Int8DotLinear  # the integer kernels are row-exact already
+        assert one(FLOAT, compiled=compiled, row_exact_float=True) is RowExactLinear
+        assert plan_layers({"w": FLOAT}, torch.float32, "cpu", compiled, ALL, row_exact_float=True).row_exact
+    assert one(FLOAT, torch.bfloat16, row_exact_float=True) is nn.Linear
+    assert one(FLOAT, device="cuda", row_exact_float=True) is nn.Linear
+    assert one(FLOAT, have=Kernels(), row_exact_float=True) is nn.Linear
+    assert not plan_layers({"w": FLOAT}, torch.float32, "cpu", False, Kernels(), row_exact_float=True).row_exact
+    assert one(LayerSpec(64, 64, row_major=False), row_exact_float=True) is nn.Linear
+    assert one(INT8, integer=True, row_exact_float=True) is Int8DotLinear  # the integer kernels are row-exact already
     for integer in (None, False):  # off them: the widened weight on f32_linear
-        assert one(INT8, integer=integer, exact_float=True) is RowExactInt8Linear
-        assert one(INT4, integer=integer, exact_float=True) is RowExactInt4Linear
-        assert plan_layers({"w": INT4}, torch.float32, "cpu", False, ALL, integer, exact_float=True).row_exact
-    assert one(INT8, torch.bfloat16, integer=False, exact_float=True) is one(INT8, torch.bfloat16, integer=False)
+        assert one(INT8, integer=integer, row_exact_float=True) is RowExactInt8Linear
+        assert one(INT4, integer=integer, row_exact_float=True) is RowExactInt4Linear
+        assert plan_layers({"w": INT4}, torch.float32, "cpu", False, ALL, integer, row_exact_float=True).row_exact
+    assert one(INT8, torch.bfloat16, integer=False, row_exact_float=True) is one(INT8, torch.bfloat16, integer=False)
 
 
 def test_int8_on_torchs_kernel_the_widening_path_or_the_integer_kernels():
@@ -105,10 +105,10 @@ def test_every_class_the_plan_chooses_is_in_the_table_and_every_row_is_chosen():
     specs = [FLOAT, LayerSpec(64, 64, row_major=False), INT8, LayerSpec(64, 64, "int8", 16), INT4,
              LayerSpec(64, 64, "int4", 32, zero_point=True), LayerSpec(64, 64, "int4", 32, integer=True)]
     chosen = set()
-    for spec, dtype, device, compiled, have, integer, exact_float in itertools.product(
+    for spec, dtype, device, compiled, have, integer, row_exact_float in itertools.product(
             specs, (torch.float32, torch.bfloat16, torch.float16), ("cpu", "cuda"), (False, True),
             (ALL, Kernels()), (None, False, True), (False, True)):
-        chosen.add(one(spec, dtype, device, compiled, have, integer, exact_float))
+        chosen.add(one(spec, dtype, device, compiled, have, integer, row_exact_float))
     table = [row.cls for row in LINEAR_CLASSES]
     assert len(table) == len(set(table)) and chosen == set(table)
 
