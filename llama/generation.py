@@ -124,6 +124,9 @@ class Llama:
     ) -> "Llama":
         """Load a checkpoint in Meta's layout.
 
+        The arguments but `progress` are a `ModelFlags` (llama/run_plan.py; `Llama.from_flags` takes one): every path
+        the run takes is decided from them and the machine once (`plan_run`), and `info.plan` says what was decided.
+
         Args:
             ckpt_dir: directory with params.json and consolidated.NN.pth, or a .gguf file or Hugging Face
                 LLaMA folder, converted on first use into $LLAMA_HOME/converted (llama/convert/cache.py).
