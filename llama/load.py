@@ -103,7 +103,8 @@ def load(flags: ModelFlags, progress: Optional[Progress] = None) -> Loaded:
     dtype, dtype_notes = choose_dtype(reader, args, quant, dtype, flags.dtype is not None, device, world_size,
                                       block_scales)
     facts = Facts(device, world_size, aot.used(device), quant, dtype, tuple(dtype_notes), Kernels.here(),
-                  kernels.unavailable_reason())
+                  kernels.unavailable_reason(),
+                  aot.UNSUPPORTED_NOTE if device.type == "cpu" and not aot.SUPPORTED else None)
     plan = plan_run(flags, facts)
     if plan.needs_kernels and not kernels.loaded():  # planned again with what loading them found
         kernels.load(progress)

@@ -69,6 +69,7 @@ class Facts:
     dtype_notes: Tuple[str, ...] = ()  # why `dtype` is not the one asked for
     kernels: Kernels = Kernels()  # the kernels the process has loaded
     kernels_missing: Optional[str] = None  # why llama/kernels cannot run here; None where they can or were not tried
+    stored_step_note: Optional[str] = None  # why no stored step can run here (an old torch); None where one can
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,8 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
         step = "stored"
     else:
         step = "eager" if auto else "torch.compile"
+        if auto and facts.stored_step_note is not None:
+            notes.append(facts.stored_step_note)
     return RunPlan(facts.device, facts.world_size, facts.dtype, kv_dtype, dict(facts.quant), integer, row_exact_float,
                    compiled_layers, step, strict=compile and not auto,
                    compile_batch_size=flags.compile_batch_size, kernels=facts.kernels, needs_kernels=needs_kernels,

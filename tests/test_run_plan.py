@@ -30,6 +30,9 @@ def test_auto_takes_the_stored_step_on_the_cpu_in_one_process_and_runs_eagerly_e
     assert plan_run(flags(), facts(device=CUDA, stored_step=False, dtype=torch.bfloat16)).step == "eager"
     assert plan_run(flags(), facts(stored_step=False)).step == "eager"  # no packages here: nothing compiled
     assert plan_run(flags(compile=False), facts()).step == "eager"
+    old_torch = replace(facts(stored_step=False), stored_step_note="the stored compiled step needs torch 2.13")
+    assert plan_run(flags(), old_torch).notes == ("the stored compiled step needs torch 2.13",)
+    assert plan_run(flags(compile=False), old_torch).notes == ()  # compile=False hides it
 
 
 def test_compile_true_compiles_every_step_and_is_refused_under_torchrun():

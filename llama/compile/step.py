@@ -102,7 +102,6 @@ class CompiledStep:
 
     def __init__(self, model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False):
         self.model = model
-        self._notes: List[str] = []
         self.eager_otherwise = eager_otherwise  # steps the package does not take run eagerly, not torch.compile'd
         self._compiled = None  # torch.compile's, made at its first use: making it imports Inductor (seconds)
         # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
@@ -112,8 +111,6 @@ class CompiledStep:
         self._cpp_wrapper = (model.device.type == "cpu"
                              and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
         self.ahead_of_time = AheadOfTimeStep(model, progress) if aot.used(model.device) else None
-        if model.device.type == "cpu" and eager_otherwise and not aot.SUPPORTED:
-            self._notes.append(aot.UNSUPPORTED_NOTE)
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]],
                  num_logits: Optional[int] = None) -> torch.Tensor:
@@ -193,7 +190,7 @@ class CompiledStep:
 
     @property
     def notes(self) -> List[str]:
-        return self._notes + (self.ahead_of_time.notes if self.ahead_of_time is not None else [])
+        return self.ahead_of_time.notes if self.ahead_of_time is not None else []
 
 
 # Steps whose packages are being built in the background, with the progress to tell: finished before the process
