@@ -165,15 +165,16 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
 
 @pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
 @pytest.mark.parametrize("method, op", [("int8", "q8_0_linear"), ("int4", "q4_1_linear")])
-def test_the_stored_step_calls_the_kernels_directly(gqa_ckpt, tmp_path, monkeypatch, method, op):
+def test_the_stored_step_calls_the_kernels_directly(gqa_ckpt, method, op):
     """The integer kernels and the row-exact attention are called through their C entry points
     (aoti_torch_cpu_<op>, llama/kernels/csrc/ops.cpp), not boxed through the dispatcher, and give what the eager
     step gives."""
     import zipfile
 
-    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    # The run's shared packages (conftest.py): the batch-1 step of this shape is the one tests/kernels and
+    # tests/quant build too, so it is built once a run, not once a test.
     compiled = build(gqa_ckpt, quantize=method, compile=True)
-    (package,) = tmp_path.glob("*/step.pt2")
+    package = compiled.compiled_step.ahead_of_time.directories[1] / "step.pt2"
     with zipfile.ZipFile(package) as z:
         (code,) = [z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")]
     for name in (op, "attention", "rms_norm"):  # a call, not only the declaration
@@ -350,19 +351,22 @@ def test_building_the_stored_step_copies_no_weights(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
 @pytest.mark.parametrize("quantize", [None, "int8"])
-def test_speculation_checks_drafts_with_a_stored_step_and_gives_the_compiled_decode(gqa_ckpt, tmp_path, monkeypatch,
-                                                                                   quantize):
+def test_speculation_checks_drafts_with_a_stored_step_and_gives_the_compiled_decode(gqa_ckpt, monkeypatch, quantize):
     """With the compiled step, a draft of 3 tokens is checked by a stored package of 4 tokens, whose rows are the
-    one-token step's: the same tokens as the plain compiled decode, and on the integer kernels the same bits."""
-    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    one-token step's: the same tokens as the plain compiled decode, and on the integer kernels the same bits.
+    (In the run's shared packages: the batch-1 step is the other tests' of this shape.)"""
     monkeypatch.setattr(Speculation, "CHECK_COST", 0.0)  # every draft checked
     llama = build(gqa_ckpt, max_seq_len=96, compile=True, quantize=quantize)
     prompts = [[1, 5, 6, 7, 8, 5, 6, 7, 9], [1, 300, 301, 302, 300, 301, 302]]
-    plain, plain_lp = llama.generate(prompts, 40, temperature=0, logprobs=True, ignore_stop=True)
+    # Each prompt alone, as generate() speculates on each row alone: the batch-1 package (a batch of 2 would be
+    # another package to build, and says nothing more about the check).
+    alone = [llama.generate([p], 40, temperature=0, logprobs=True, ignore_stop=True) for p in prompts]
+    plain, plain_lp = [tokens[0] for tokens, _ in alone], [logprobs[0] for _, logprobs in alone]
     spec, spec_lp = llama.generate(prompts, 40, temperature=0, logprobs=True, ignore_stop=True, speculate=Always(),
                                    draft_tokens=3)
     ahead = llama.compiled_step.ahead_of_time
-    assert (1, 4) in ahead.built and ahead.directories[(1, 4)].is_dir()  # the checking step is a stored package
+    # The checking step was asked for (compile=True waits for a package rather than run eagerly) and is stored.
+    assert (1, 4) in ahead.directories and ahead.directories[(1, 4)].is_dir()
     assert llama.last_speculation.checks > 20 and 0 < llama.last_speculation.accepted
     assert spec == plain
     if quantize:
