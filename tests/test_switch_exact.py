@@ -10,6 +10,11 @@ step's products sum in another order than MKL's); with int8 keys and values (`--
 too bit for bit.
 """
 
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,13 +39,38 @@ PATH_PROMPTS, PATH_TOKENS = PROMPTS[:4], 32
 FLOAT32_BOUND = 1e-4  # largest |cached - uncached| log-probability seen over these prompts: 1.4e-5
 
 
-def _build(quantize, kv_cache_dtype=None):
+def _build(quantize, kv_cache_dtype=None, stored=True):
+    """The default model in the default mode; `stored`: its compiled step loaded from disk, as stored_steps left it."""
     llama = Llama.build(default_model_dir(), max_seq_len=128, max_batch_size=len(PROMPTS), device="cpu", dtype="float32",
                         quantize=quantize, compile="auto", kv_cache_dtype=kv_cache_dtype)
     assert llama.compiled_step is not None
     llama.compiled_step.wait()  # a first run builds it in the background; the test is of the stored step
-    assert llama.compiled_step.describe_origin().startswith("ahead of time, "), llama.compiled_step.describe_origin()
+    origin = llama.compiled_step.describe_origin()
+    assert origin == "ahead of time, loaded from disk" if stored else origin.startswith("ahead of time, "), origin
     return llama
+
+
+# (quantize, kv_cache_dtype) of every model the tests below build: each has a stored step of its own.
+BUILDS = [(None, None), ("int8", None), ("int4", None), (None, "int8")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stored_steps():
+    """The four stored steps, built before the tests load them: two at a time, each by `_build` in a process of its
+    own. A build is one export and one compiler run, a minute or more of one core for this model; in the tests'
+    process the four would run one after another while the second core waited. The tests then load what these
+    stored, as a user's later runs do (where a package is stored already, a process only loads it)."""
+    code = (f"import sys, torch; torch.set_num_threads({torch.get_num_threads()}); "  # the threads are in the key
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r}); from test_switch_exact import _build; "
+            "_build(sys.argv[1] or None, sys.argv[2] or None, stored=False)")
+
+    def build_elsewhere(args):
+        return subprocess.run([sys.executable, "-c", code, *(a or "" for a in args)], capture_output=True, text=True,
+                              timeout=1200)
+
+    with ThreadPoolExecutor(2) as pool:
+        for args, result in zip(BUILDS, pool.map(build_elsewhere, BUILDS)):
+            assert result.returncode == 0, (args, result.stderr[-3000:])
 
 
 @pytest.fixture(scope="module", params=[None, "int8", "int4"], ids=["float32", "int8", "int4"])
@@ -92,12 +122,11 @@ def paths():
     return [p for p in kernels.cpu_paths() if p != best]  # the best one runs in the test above
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_every_kernel_path_keeps_the_switch_exact(method, paths):
+@pytest.mark.parametrize("llama", ["int8", "int4"], indirect=True)  # the models of the test above, not loaded again
+def test_every_kernel_path_keeps_the_switch_exact(llama, paths):
     """Each path the CPU has, forced as LLAMA_KERNEL_PATH forces it, through the same stored step. The uncached side
     is one pass over the whole cached output (what each uncached step computes for its last position, the kernels'
     rows being independent), so that the scalar path stays affordable."""
-    llama = _build(method)
     for path in paths:
         with kernels.options(path=path):
             for prompt in PATH_PROMPTS:
