@@ -7,6 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
+from llama.cli.common import fail
+from llama.errors import LlamaError
 from llama.run_plan import ModelFlags
 
 # In the order a command's help lists them where its signature does not say otherwise.
@@ -141,9 +143,6 @@ def model_flags(ckpt_dir, tokenizer_path, device, dtype, quantize, quant_kernels
     --compile and --no-compile make `compile` True or False; with neither it stays None, what $LLAMA_COMPILE says
     (unset: "auto", the stored compiled step wherever it can be had), except that with --no-kv-cache "auto" compiles
     nothing (the stored step serves only cached steps)."""
-    from llama.cli.common import fail
-    from llama.errors import LlamaError
-
     if compile and no_compile:
         fail("--compile and --no-compile contradict each other; give one")
     flags = ModelFlags(ckpt_dir=model_flag(ckpt_dir, model),
@@ -159,8 +158,6 @@ def model_flags(ckpt_dir, tokenizer_path, device, dtype, quantize, quant_kernels
 
 def model_flag(ckpt_dir: Optional[str], model: Optional[str]) -> Optional[str]:
     """The model a command was given: --ckpt-dir, or -m / --model (llama.cpp's name for the same flag)."""
-    from llama.cli.common import fail
-
     if model is not None and ckpt_dir is not None and \
             Path(str(model)).expanduser().resolve() != Path(str(ckpt_dir)).expanduser().resolve():
         fail(f"--ckpt-dir {ckpt_dir} and -m/--model {model} name different models; give one of them")
