@@ -2,7 +2,7 @@
 
 It joins the three rooms without letting them reach into each other. The HTTP layer hands in a `Job` (token
 ids and sampling settings, no HTTP) and is told what happens through the job's `emit` callback, from the
-loop's thread. The scheduler decides each step over `Sequence`s; the runner feeds `Row`s. Here a job
+loop's thread. The scheduler decides each step over `SequenceState`s; the runner feeds `Row`s. Here a job
 becomes its sequences (one per choice), a scheduled piece becomes a row, a sampled token becomes text
 (llama/detokenize.py) and a finish reason.
 
@@ -19,7 +19,7 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence as Seq, Tuple, Union
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -28,7 +28,7 @@ from llama.detokenize import TextState
 from llama.server.disk_cache import DiskCache
 from llama.sampling import SamplingControls
 from llama.server.runner import Result, Row, Runner, Sampler
-from llama.server.scheduler import WAITING, Scheduler, Sequence
+from llama.server.scheduler import WAITING, Scheduler, SequenceState
 from llama.speculative import DEFAULT_DRAFT_TOKENS, Drafter, Speculation, new_drafter
 
 
@@ -107,7 +107,7 @@ class Job:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: Optional[int] = None
-    stop: Seq[str] = ()
+    stop: Sequence[str] = ()
     logprobs: Optional[int] = None
     echo_logprobs: bool = False
     ignore_eos: bool = False  # stop tokens do not end it: it runs to max_tokens (benchmarks)
@@ -115,7 +115,7 @@ class Job:
     cache_prompt: bool = True
     controls: Optional[SamplingControls] = None
     grammar: Optional[Grammar] = None
-    sequences: List[Sequence] = field(default_factory=list)
+    sequences: List[SequenceState] = field(default_factory=list)
     remaining: int = 0
     drafted: int = 0  # speculation's tokens drafted and checked, over its choices
     accepted: int = 0
@@ -157,7 +157,7 @@ class Engine:
         self.max_waiting = max_waiting
         self._inbox: Deque[Tuple[str, Job]] = deque()
         self._wake = threading.Condition()
-        self._choices: Dict[Sequence, _Choice] = {}
+        self._choices: Dict[SequenceState, _Choice] = {}
         self._accepting = True
         self._deadline: Optional[float] = None  # when draining: jobs still running then are cut short
         self._refused_waiting = False  # when draining: jobs that never ran have been sent away
@@ -300,8 +300,8 @@ class Engine:
         first = None
         controls = job.controls if job.controls is not None and job.controls.active else None
         for i in range(job.n):
-            seq = Sequence(job.prompt, prompt_logprobs=job.echo_logprobs and i == 0, reuse_prefix=job.cache_prompt,
-                           after=first)
+            seq = SequenceState(job.prompt, prompt_logprobs=job.echo_logprobs and i == 0,
+                                reuse_prefix=job.cache_prompt, after=first)
             first = first or seq
             seed = (job.seed + i) % 2**64 if job.seed is not None else random.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -432,7 +432,7 @@ class Engine:
             choice.job.emit(Delta(choice.index, text, choice.pending))
             choice.pending = []
 
-    def _end(self, seq: Sequence, choice: _Choice, text: str, reason: str) -> None:
+    def _end(self, seq: SequenceState, choice: _Choice, text: str, reason: str) -> None:
         seq.computed = min(seq.computed, len(seq.tokens))  # a draft's tokens past the end were computed, not kept
         self.scheduler.finish(seq)
         del self._choices[seq]

@@ -12,8 +12,8 @@ its blocks are released (cached, so they may well still be there) and it waits a
 to be recomputed from its tokens, prompt and generated alike; its sampling goes on where it stopped. A
 sequence that could never fit is refused before it is queued (`check_fits`).
 
-With speculation, the engine gives a decoding sequence a draft (`Sequence.draft`) before the step: its piece feeds
-the newest token and the draft after it, and only the tokens the model keeps count as computed; the blocks
+With speculation, the engine gives a decoding sequence a draft (`SequenceState.draft`) before the step: its piece
+feeds the newest token and the draft after it, and only the tokens the model keeps count as computed; the blocks
 taken for the rest are let go (`update`). Drafts take only free blocks, never cached ones, and never preempt.
 
 With a disk cache (llama/server/disk_cache.py), where a new sequence's walk of the prefix tree stops, the
@@ -34,8 +34,8 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 @dataclass(eq=False)
-class Sequence:
-    """One sequence of tokens being generated: a prompt and what has been sampled after it.
+class SequenceState:
+    """What the scheduler holds of one sequence being generated: its tokens, status, blocks and place in the prompt.
 
     Args:
         tokens: the prompt's token ids; sampled tokens are appended (`append`).
@@ -50,7 +50,7 @@ class Sequence:
     tokens: List[int]
     prompt_logprobs: bool = False
     reuse_prefix: bool = True
-    after: Optional["Sequence"] = None
+    after: Optional["SequenceState"] = None
     seq_id: int = field(default_factory=itertools.count().__next__)
     status: str = WAITING
     prompt_len: int = 0
@@ -87,7 +87,7 @@ class Piece:
     engine sets n to the tokens the model kept: the newest and the drafted ones accepted.
     """
 
-    seq: Sequence
+    seq: SequenceState
     start: int
     n: int
     sample: bool  # the piece reaches the last known token: a new token is sampled from its last logits
@@ -102,7 +102,7 @@ class Step:
     copies: List[Tuple[int, int, int]] = field(default_factory=list)  # (source block, destination block, positions)
     loads: List[Tuple[int, Any]] = field(default_factory=list)  # (destination block, its keys and values from disk)
     pieces: List[Piece] = field(default_factory=list)
-    preempted: List[Sequence] = field(default_factory=list)
+    preempted: List[SequenceState] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.pieces)
@@ -128,8 +128,8 @@ class Scheduler:
         self.pool = BlockPool(num_blocks, block_size) if kv_cache else None
         self.disk = disk if kv_cache else None
         self.max_running, self.prefill_chunk = max_running, prefill_chunk
-        self.waiting: Deque[Sequence] = deque()
-        self.running: List[Sequence] = []  # in order of arrival
+        self.waiting: Deque[SequenceState] = deque()
+        self.running: List[SequenceState] = []  # in order of arrival
         self._pinned: List[int] = []  # copy sources held until the step that copies them has run
         self.prefix_tokens_reused = 0  # over the scheduler's life, for /metrics
 
@@ -152,12 +152,12 @@ class Scheduler:
             return None
         return self.pool.num_blocks * self.pool.block_size - prompt_len + 1  # the last token is never fed
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         """Queue a sequence; it joins the batch at a later step."""
         assert seq.status == WAITING
         self.waiting.append(seq)
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: SequenceState) -> None:
         """Drop a sequence wherever it is, letting its blocks go."""
         if seq.status == WAITING and seq in self.waiting:
             self.waiting.remove(seq)
@@ -166,7 +166,7 @@ class Scheduler:
             self._let_go(seq)
         seq.status = FINISHED
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SequenceState) -> None:
         """A running sequence is done: it leaves the batch and lets its blocks go (they stay cached)."""
         self.abort(seq)
 
@@ -195,7 +195,7 @@ class Scheduler:
                 step.pieces.append(Piece(seq, seq.computed, n, sample=done, all_logits=wanted))
         return step
 
-    def update(self, step: Step) -> List[Tuple[Sequence, int]]:
+    def update(self, step: Step) -> List[Tuple[SequenceState, int]]:
         """After the step has run: its positions are computed; full blocks enter the prefix tree.
 
         Returns:
@@ -236,14 +236,14 @@ class Scheduler:
                     seq.blocks += self.pool.allocate(more)
                 seq.draft = seq.draft[: len(seq.blocks) * bs - seq.computed - 1]
 
-    def _preempt(self, seq: Sequence, step: Step) -> None:
+    def _preempt(self, seq: SequenceState, step: Step) -> None:
         self.running.remove(seq)
         self._let_go(seq)
         seq.status, seq.preemptions = WAITING, seq.preemptions + 1
         self.waiting.appendleft(seq)
         step.preempted.append(seq)
 
-    def _let_go(self, seq: Sequence) -> None:
+    def _let_go(self, seq: SequenceState) -> None:
         if self.pool is not None:
             self.pool.keep_partial(seq.blocks, seq.tokens, seq.computed)
             self.pool.release(seq.blocks)
@@ -251,7 +251,7 @@ class Scheduler:
 
     def _admit(self, step: Step) -> None:
         """Move waiting sequences into the batch, first come first served, while there is room."""
-        skipped: List[Sequence] = []
+        skipped: List[SequenceState] = []
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if seq.after is not None and seq.after.status != FINISHED and (
@@ -265,7 +265,7 @@ class Scheduler:
             self.running.append(seq)
         self.waiting.extendleft(reversed(skipped))
 
-    def _place(self, seq: Sequence, step: Step) -> bool:
+    def _place(self, seq: SequenceState, step: Step) -> bool:
         """Give a sequence blocks for every token it has, reusing cached prefixes; False if they do not fit."""
         pool = self.pool
         # At least the last token is fed: its logits choose the next one.

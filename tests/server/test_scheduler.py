@@ -10,7 +10,7 @@ import random
 import pytest
 
 from llama.server.blocks import BlockPool
-from llama.server.scheduler import FINISHED, RUNNING, WAITING, Scheduler, Sequence
+from llama.server.scheduler import FINISHED, RUNNING, WAITING, Scheduler, SequenceState
 
 
 class FakeCache:
@@ -64,7 +64,7 @@ def check_accounting(sched):
 def test_a_sequence_reuses_the_full_blocks_of_an_earlier_one_and_copies_the_rest():
     sched = Scheduler(num_blocks=16, block_size=4, max_running=4, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    first = Sequence(list(range(100, 111)))  # 11 tokens: two full blocks and three positions
+    first = SequenceState(list(range(100, 111)))  # 11 tokens: two full blocks and three positions
     sched.add(first)
     for _ in range(3):
         run_step(sched, cache)
@@ -72,7 +72,7 @@ def test_a_sequence_reuses_the_full_blocks_of_an_earlier_one_and_copies_the_rest
     sched.finish(first)
     assert first.cached_tokens == 0 and sched.pool.used == 0
     # Fed: the prompt and two of the three sampled tokens (the last is never fed): 13 positions.
-    second = Sequence(list(range(100, 111)) + [7, 7, 9])
+    second = SequenceState(list(range(100, 111)) + [7, 7, 9])
     sched.add(second)
     step = run_step(sched, cache)
     assert second.cached_tokens == 13  # 3 full blocks shared, 1 position copied from the 4th
@@ -84,12 +84,12 @@ def test_a_sequence_reuses_the_full_blocks_of_an_earlier_one_and_copies_the_rest
 def test_reuse_compares_token_ids_and_always_feeds_the_last_token():
     sched = Scheduler(num_blocks=16, block_size=4, max_running=4, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    a = Sequence([1, 2, 3, 4, 5, 6, 7, 8])
+    a = SequenceState([1, 2, 3, 4, 5, 6, 7, 8])
     sched.add(a)
     run_step(sched, cache)
     sched.finish(a)
-    same = Sequence([1, 2, 3, 4, 5, 6, 7, 8])  # all cached, but the last token must still be fed
-    differs = Sequence([1, 2, 3, 4, 5, 0, 7, 8])
+    same = SequenceState([1, 2, 3, 4, 5, 6, 7, 8])  # all cached, but the last token must still be fed
+    differs = SequenceState([1, 2, 3, 4, 5, 0, 7, 8])
     sched.add(same)
     sched.add(differs)
     step = run_step(sched, cache)
@@ -103,9 +103,9 @@ def same_prompt_again(**second):
     made with `second`'s options: (scheduler, cache, second sequence, step)."""
     sched = Scheduler(num_blocks=16, block_size=4, max_running=4, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    sched.add(Sequence([1, 2, 3, 4, 5, 6, 7, 8]))
+    sched.add(SequenceState([1, 2, 3, 4, 5, 6, 7, 8]))
     run_step(sched, cache)
-    b = Sequence([1, 2, 3, 4, 5, 6, 7, 8], **second)
+    b = SequenceState([1, 2, 3, 4, 5, 6, 7, 8], **second)
     sched.add(b)
     return sched, cache, b, run_step(sched, cache)
 
@@ -119,7 +119,7 @@ def test_a_sequence_that_may_not_reuse_computes_its_whole_prompt_and_still_leave
     sched, cache, b, step = same_prompt_again(reuse_prefix=False)
     assert b.cached_tokens == 0 and (step.pieces[-1].start, step.pieces[-1].n) == (0, 8) and not step.copies
     assert not step.pieces[-1].all_logits
-    c = Sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    c = SequenceState([1, 2, 3, 4, 5, 6, 7, 8, 9])
     sched.add(c)
     run_step(sched, cache)
     assert c.cached_tokens == 8
@@ -129,7 +129,7 @@ def test_a_sequence_that_may_not_reuse_computes_its_whole_prompt_and_still_leave
 def test_two_sequences_computing_the_same_prefix_end_up_sharing_one_copy():
     sched = Scheduler(num_blocks=16, block_size=4, max_running=4, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    a, b = Sequence([5] * 9), Sequence([5] * 9)
+    a, b = SequenceState([5] * 9), SequenceState([5] * 9)
     sched.add(a)
     sched.add(b)
     run_step(sched, cache)  # both prefilled in the same step: neither could reuse the other
@@ -143,11 +143,11 @@ def test_two_sequences_computing_the_same_prefix_end_up_sharing_one_copy():
 def test_continuous_batching_joins_at_the_next_step_and_chunks_long_prompts():
     sched = Scheduler(num_blocks=64, block_size=4, max_running=4, prefill_chunk=8)
     cache = FakeCache(sched.pool)
-    short = Sequence([1, 2, 3])
+    short = SequenceState([1, 2, 3])
     sched.add(short)
     step = run_step(sched, cache)
     assert [(p.seq, p.n, p.sample) for p in step.pieces] == [(short, 3, True)]
-    long = Sequence(list(range(10, 30)))  # 20 tokens: three steps of at most 8
+    long = SequenceState(list(range(10, 30)))  # 20 tokens: three steps of at most 8
     sched.add(long)
     fed = []
     for _ in range(3):
@@ -164,7 +164,7 @@ def test_continuous_batching_joins_at_the_next_step_and_chunks_long_prompts():
 def test_the_batch_is_capped_and_the_queue_is_first_come_first_served():
     sched = Scheduler(num_blocks=64, block_size=4, max_running=2, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    seqs = [Sequence([i, i + 1]) for i in range(4)]
+    seqs = [SequenceState([i, i + 1]) for i in range(4)]
     for s in seqs:
         sched.add(s)
     run_step(sched, cache)
@@ -178,7 +178,7 @@ def test_a_full_cache_makes_newcomers_wait_and_preempts_the_newest():
     # 5 blocks of 4: two sequences of 8 prompt tokens take 4 blocks; as they grow they need more.
     sched = Scheduler(num_blocks=5, block_size=4, max_running=4, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    a, b, c = Sequence(list(range(8))), Sequence(list(range(20, 28))), Sequence(list(range(40, 48)))
+    a, b, c = SequenceState(list(range(8))), SequenceState(list(range(20, 28))), SequenceState(list(range(40, 48)))
     for s in (a, b, c):
         sched.add(s)
     token = lambda s: 1000 + len(s.tokens)  # noqa: E731
@@ -197,7 +197,7 @@ def test_a_full_cache_makes_newcomers_wait_and_preempts_the_newest():
 def test_a_preempted_sequence_is_recomputed_from_its_tokens_and_goes_on():
     sched = Scheduler(num_blocks=5, block_size=4, max_running=2, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    a, b = Sequence(list(range(7))), Sequence(list(range(50, 57)))
+    a, b = SequenceState(list(range(7))), SequenceState(list(range(50, 57)))
     sched.add(a)
     sched.add(b)
     counter = iter(range(10**6))
@@ -232,8 +232,8 @@ def test_the_most_new_tokens_are_exactly_what_check_fits_passes(num_blocks, bloc
 def test_choices_of_one_request_wait_for_the_first_prompt_and_share_it():
     sched = Scheduler(num_blocks=32, block_size=4, max_running=4, prefill_chunk=6)
     cache = FakeCache(sched.pool)
-    first = Sequence(list(range(10)))
-    others = [Sequence(list(range(10)), after=first) for _ in range(2)]
+    first = SequenceState(list(range(10)))
+    others = [SequenceState(list(range(10)), after=first) for _ in range(2)]
     for s in [first] + others:
         sched.add(s)
     run_step(sched, cache)
@@ -249,7 +249,7 @@ def test_choices_of_one_request_wait_for_the_first_prompt_and_share_it():
 def test_abort_lets_the_blocks_go_at_once():
     sched = Scheduler(num_blocks=8, block_size=4, max_running=2, prefill_chunk=64)
     cache = FakeCache(sched.pool)
-    a, b = Sequence(list(range(9))), Sequence(list(range(9)))
+    a, b = SequenceState(list(range(9))), SequenceState(list(range(9)))
     sched.add(a)
     run_step(sched, cache)
     sched.add(b)
@@ -276,7 +276,7 @@ def test_cached_blocks_are_taken_back_least_recently_released_leaf_first():
 
 def test_without_a_cache_every_step_feeds_the_whole_prefix():
     sched = Scheduler(num_blocks=1, block_size=1, max_running=2, prefill_chunk=1, kv_cache=False)
-    a = Sequence([1, 2, 3])
+    a = SequenceState([1, 2, 3])
     sched.add(a)
     for n in (3, 4, 5):
         step = sched.schedule()
@@ -299,7 +299,7 @@ def test_random_traffic_keeps_every_sequence_reading_its_own_tokens(seed):
         if rng.random() < 0.3:
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 5))]
             if sched.check_fits(len(tokens), 4) is None:
-                seq = Sequence(tokens)
+                seq = SequenceState(tokens)
                 goals[seq] = rng.randrange(1, 5)
                 sched.add(seq)
                 live.append(seq)
@@ -331,7 +331,7 @@ def test_random_traffic_keeps_every_sequence_reading_its_own_tokens(seed):
 
 def test_a_draft_takes_free_blocks_for_its_step_and_lets_go_of_what_was_rejected():
     sched = Scheduler(num_blocks=8, block_size=2, max_running=2, prefill_chunk=16)
-    seq = Sequence([1, 2, 3])
+    seq = SequenceState([1, 2, 3])
     sched.add(seq)
     sched.update(sched.schedule())  # the prompt
     seq.append(4)
@@ -349,7 +349,7 @@ def test_a_draft_takes_free_blocks_for_its_step_and_lets_go_of_what_was_rejected
 
 def test_a_draft_takes_no_block_another_sequence_needs():
     sched = Scheduler(num_blocks=4, block_size=2, max_running=2, prefill_chunk=16)
-    a, b = Sequence([1, 2, 3]), Sequence([9, 8])
+    a, b = SequenceState([1, 2, 3]), SequenceState([9, 8])
     for seq in (a, b):
         sched.add(seq)
     sched.update(sched.schedule())
