@@ -1,22 +1,20 @@
 """The HTTP room: OpenAI's routes on Starlette, requests checked, answered and streamed, and never a tensor touched.
 
 A request is checked (llama/server/openai_api.py), becomes one engine job per prompt, and is answered
-from the job's events: whole, or as Server-Sent Events while they come. A stream's headers wait for its
-first event, so a request refused before it ran (the server stopping) gets its status, 503, not a 200. A
-client that leaves cancels its jobs at once, streaming or not. Every error leaves in OpenAI's one shape; nothing a client sends can
-show it a traceback or stop the server from serving the next request. `GET /` is the chat page
+from the job's events (llama/server/replies.py): whole, or as Server-Sent Events while they come. A stream's
+headers wait for its first event, so a request refused before it ran (the server stopping) gets its status, 503,
+not a 200. A client that leaves cancels its jobs at once, streaming or not. Every error leaves in OpenAI's one
+shape; nothing a client sends can show it a traceback or stop the server from serving the next request. `GET /` is the chat page
 (llama/server/webui/index.html), a static file that talks to the same API.
 """
 
-import asyncio
 import hmac
 import json
 import time
-import traceback
 from dataclasses import dataclass, field
 from functools import partial
 from importlib import resources
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -24,18 +22,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs, Unavailable
-from llama.server.tools import ReplyReader, read_reply
+from llama.server.engine import Delta, Engine
 from llama.server.openai_api import (
-    ApiError, Params, chat_logprobs, check_lengths, completion_logprobs, error_body, new_id, now, parse_chat,
-    parse_completion, parse_responses, response_usage, usage,
+    ApiError, Params, chat_logprobs, check_lengths, completion_logprobs, new_id, now, parse_chat, parse_completion,
+    parse_responses, response_usage,
 )
-
-_GONE = object()  # put on a request's event queue when its client disconnects
-
-
-class ClientGone(Exception):
-    pass
+from llama.server.replies import ClientGone, Run, collect, log_exception, named_sse, stream
+from llama.server.tools import ReplyReader, read_reply
 
 
 @dataclass
@@ -116,11 +109,11 @@ async def _metrics(state: ServerState, request: Request) -> Response:
 async def _chat(state: ServerState, request: Request) -> Response:
     params = parse_chat(await _json(request), state.tokenizer, state.vocab_size)
     check_lengths(params, state.max_seq_len, "messages")
-    run = _Run(state, params, request, chat=True)
+    run = Run(state.engine, state.max_seq_len, params, request, chat=True, log=state.log)
     rid, created = new_id("chatcmpl"), now()
     if params.stream:
-        return await _stream(run, _chat_chunks(state, run, params, rid, created))
-    texts, logprobs, reasons = await _collect(run, params.n)
+        return await stream(run, _chat_chunks(state, run, params, rid, created))
+    texts, logprobs, reasons = await collect(run, params.n)
     choices = []
     for i in range(params.n):
         message, reason = _chat_message(params, texts[i], reasons[i])
@@ -133,11 +126,11 @@ async def _chat(state: ServerState, request: Request) -> Response:
 async def _completions(state: ServerState, request: Request) -> Response:
     params = parse_completion(await _json(request), state.tokenizer, state.vocab_size)
     check_lengths(params, state.max_seq_len, "prompt")
-    run = _Run(state, params, request, chat=False)
+    run = Run(state.engine, state.max_seq_len, params, request, chat=False, log=state.log)
     rid, created = new_id("cmpl"), now()
     if params.stream:
-        return await _stream(run, _completion_chunks(state, run, params, rid, created))
-    texts, logprobs, reasons = await _collect(run, len(params.prompts) * params.n)
+        return await stream(run, _completion_chunks(state, run, params, rid, created))
+    texts, logprobs, reasons = await collect(run, len(params.prompts) * params.n)
     choices = []
     for i in range(len(texts)):
         head = params.prompt_texts[i // params.n] if params.echo else ""
@@ -154,19 +147,19 @@ async def _responses(state: ServerState, request: Request) -> Response:
     body = await _json(request)
     params = parse_responses(body, state.tokenizer, state.vocab_size)
     check_lengths(params, state.max_seq_len, "input")
-    run = _Run(state, params, request, chat=True)
+    run = Run(state.engine, state.max_seq_len, params, request, chat=True, log=state.log)
     rid, created = new_id("resp"), now()
     shown = {"instructions": body.get("instructions"), "max_output_tokens": params.max_tokens,
              "temperature": params.temperature, "top_p": params.top_p}
     message_id = new_id("msg")
     if params.stream:
-        return await _stream(run, _response_events(state, run, rid, created, message_id, shown), _named_sse, b"")
-    texts, _, reasons = await _collect(run, 1)
+        return await stream(run, _response_events(state, run, rid, created, message_id, shown), named_sse, b"")
+    texts, _, reasons = await collect(run, 1)
     return JSONResponse(_response(state, rid, created, message_id, shown, texts[0], reasons[0], run))
 
 
 def _response(state: ServerState, rid: str, created: int, message_id: str, shown: Dict[str, Any],
-              text: Optional[str], reason: Optional[str], run: Optional["_Run"]) -> Dict[str, Any]:
+              text: Optional[str], reason: Optional[str], run: Optional[Run]) -> Dict[str, Any]:
     """A Responses object: in progress (no text yet), completed (a stop) or incomplete (max_output_tokens)."""
     status = "in_progress" if text is None else ("incomplete" if reason == "length" else "completed")
     output = [] if text is None else [_response_message(message_id, text, status)]
@@ -184,7 +177,7 @@ def _response_message(message_id: str, text: str, status: str) -> Dict[str, Any]
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-async def _response_events(state: ServerState, run: "_Run", rid: str, created: int, message_id: str,
+async def _response_events(state: ServerState, run: Run, rid: str, created: int, message_id: str,
                            shown: Dict[str, Any]):
     """The Responses API's stream for one message: created, in_progress, the item and its text part added, the text's
     deltas, then each of them done and the response completed (or incomplete, at max_output_tokens)."""
@@ -215,123 +208,6 @@ async def _response_events(state: ServerState, run: "_Run", rid: str, created: i
     yield event(f"response.{final['status']}", response=final)
 
 
-# A request's jobs and their events.
-
-class _Run:
-    """The engine jobs of one request (one per prompt, n choices each), and their events in this event loop."""
-
-    def __init__(self, state: ServerState, params: Params, request: Request, chat: bool):
-        self.state, self.params, self.request = state, params, request
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.jobs: List[Job] = []
-        self.done: Dict[int, Done] = {}
-        self.prompt_logprobs: Dict[int, list] = {}
-        self.watcher: Optional[asyncio.Task] = None
-        self.head: Optional[tuple] = None  # the first event, when `started` took it off the queue
-        engine = state.engine
-        for k, prompt in enumerate(params.prompts):
-            room = state.max_seq_len - len(prompt)
-            reason = engine.check(len(prompt), params.max_tokens or 1)
-            if reason is not None:
-                raise ApiError(400, reason, "max_tokens" if params.max_tokens else ("messages" if chat else "prompt"),
-                               "kv_cache_too_small")
-            most = engine.most_new_tokens(len(prompt))
-            max_tokens = params.max_tokens or min(room, max(1, room if most is None else most))
-            self.jobs.append(Job(prompt, max_tokens, partial(self._emit, k), n=params.n, temperature=params.temperature,
-                                 top_p=params.top_p, seed=params.seed, stop=params.stop, logprobs=params.logprobs,
-                                 echo_logprobs=params.echo and params.logprobs is not None, text_context=not chat,
-                                 ignore_eos=params.ignore_eos, cache_prompt=params.cache_prompt,
-                                 controls=params.controls, grammar=params.grammar))
-        submitted = []
-        try:
-            for job in self.jobs:
-                engine.submit(job)
-                submitted.append(job)
-        except (Unavailable, ValueError) as e:
-            for job in submitted:
-                engine.cancel(job)
-            raise ApiError(503 if isinstance(e, Unavailable) else 400, str(e),
-                           code="server_busy" if isinstance(e, Unavailable) else "kv_cache_too_small") from None
-        self.watch()
-
-    def _emit(self, k: int, event) -> None:  # from the engine's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (k, event))
-
-    def watch(self) -> None:
-        """Cancel the jobs as soon as the client disconnects, whatever the route is waiting for."""
-        async def wait():
-            while (await self.request.receive())["type"] != "http.disconnect":
-                pass
-            self.queue.put_nowait((_GONE, None))
-        self.watcher = asyncio.ensure_future(wait())
-
-    async def events(self) -> AsyncIterator:
-        """(job number, event) until every job is done.
-
-        Raises:
-            ClientGone: the client disconnected (its jobs are cancelled).
-            ApiError: the engine could not finish a job.
-        """
-        while len(self.done) < len(self.jobs):
-            if self.head is not None:
-                (k, event), self.head = self.head, None
-            else:
-                k, event = self._raise_for(*await self.queue.get())
-            if isinstance(event, Done):
-                self.done[k] = event
-                self.request.scope["llama_kv.usage"] = self.usage()
-            elif isinstance(event, PromptLogprobs):
-                self.prompt_logprobs.setdefault(k, []).extend(event.logprobs)
-            yield k, event
-
-    async def started(self) -> None:
-        """Wait for the first event, so that a stream refused before it ran (a shutdown) gets an HTTP status
-        instead of a 200 and an error event; that event is then the first `events` yields.
-
-        Raises:
-            ClientGone, ApiError: as `events` does.
-        """
-        self.head = self._raise_for(*await self.queue.get())
-
-    def _raise_for(self, k, event):
-        if k is _GONE:
-            self.request.scope["llama_kv.note"] = "client disconnected"
-            raise ClientGone()
-        if isinstance(event, Failed):
-            raise ApiError(event.status, event.message, code="server_error" if event.status == 500 else "shutting_down")
-        return k, event
-
-    def close(self) -> None:
-        """Cancel whatever is unfinished, and stop watching for the client."""
-        for k, job in enumerate(self.jobs):
-            if k not in self.done:
-                self.state.engine.cancel(job)
-        if self.watcher is not None:
-            self.watcher.cancel()
-
-    def usage(self) -> Dict[str, Any]:
-        done = list(self.done.values())
-        total = lambda name: None if getattr(done[0], name) is None else sum(getattr(d, name) for d in done)  # noqa: E731
-        return usage(total("prompt_tokens"), total("completion_tokens"), total("cached_tokens"), total("disk_tokens"),
-                     total("drafted_tokens"), total("accepted_tokens"))
-
-
-async def _collect(run: _Run, n_choices: int):
-    """Every choice's text, log-probabilities and finish reason (choice j of prompt k is k * n + j)."""
-    texts, logprobs, reasons = [""] * n_choices, [[] for _ in range(n_choices)], [None] * n_choices
-    try:
-        async for k, event in run.events():
-            if isinstance(event, Delta):
-                i = k * run.params.n + event.index
-                texts[i] += event.text
-                logprobs[i] += event.logprobs
-                reasons[i] = event.finish_reason or reasons[i]
-    finally:
-        run.close()
-    return texts, logprobs, reasons
-
-
 def _chat_message(params: Params, text: str, reason: Optional[str]):
     """A chat choice's message and finish reason: the text, or where the request has tools and the reply calls them,
     the calls (finish reason "tool_calls" when the reply ended by itself)."""
@@ -341,7 +217,7 @@ def _chat_message(params: Params, text: str, reason: Optional[str]):
     return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if reason == "stop" else reason)
 
 
-async def _chat_chunks(state: ServerState, run: _Run, params: Params, rid: str, created: int):
+async def _chat_chunks(state: ServerState, run: Run, params: Params, rid: str, created: int):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_id,
             "system_fingerprint": None}
     extra = {"usage": None} if params.include_usage else {}
@@ -376,7 +252,7 @@ async def _chat_chunks(state: ServerState, run: _Run, params: Params, rid: str, 
         yield {**base, "choices": [], "usage": run.usage()}
 
 
-async def _completion_chunks(state: ServerState, run: _Run, params: Params, rid: str, created: int):
+async def _completion_chunks(state: ServerState, run: Run, params: Params, rid: str, created: int):
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_id}
     extra = {"usage": None} if params.include_usage else {}
     offsets: Dict[int, int] = {}  # per choice: characters sent so far, and whether its echo went out
@@ -400,60 +276,6 @@ async def _completion_chunks(state: ServerState, run: _Run, params: Params, rid:
         yield {**base, "choices": [], "usage": run.usage()}
 
 
-async def _stream(run: _Run, chunks: AsyncIterator[Dict[str, Any]], sse: Callable[[Dict[str, Any]], bytes] = None,
-                  done: bytes = b"data: [DONE]\n\n") -> "_EventStream":
-    """The stream, once its first event has come: until then a refusal can still be an HTTP status."""
-    try:
-        await run.started()
-    except BaseException:
-        await chunks.aclose()
-        run.close()
-        raise
-    return _EventStream(run, chunks, sse or _sse, done)
-
-
-class _EventStream(Response):
-    """Server-Sent Events: one `data:` line per chunk (for the Responses API an `event:` line names it), then `done`
-    (chat and completions: `data: [DONE]`); an error after the first chunk (a model failure; a second prompt refused
-    at shutdown while the first ran) ends it as an error event."""
-
-    def __init__(self, run: _Run, chunks: AsyncIterator[Dict[str, Any]], sse: Callable[[Dict[str, Any]], bytes],
-                 done: bytes):
-        self.run, self.chunks, self.sse, self.done = run, chunks, sse, done
-        self.status_code, self.background = 200, None
-
-    async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
-        try:
-            try:
-                async for payload in self.chunks:
-                    await send({"type": "http.response.body", "body": self.sse(payload), "more_body": True})
-                tail = self.done
-            except ApiError as e:
-                tail = _sse(e.body())
-            except ClientGone:
-                raise  # not a failure: nobody to tell (and nothing to log)
-            except Exception as e:  # never a traceback on the wire
-                _log_exception(self.run.state, e)
-                tail = _sse(error_body(f"internal error: {type(e).__name__}", "server_error"))
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
-        except (ClientGone, OSError):
-            pass  # the client left: nothing more to send, its jobs are cancelled below
-        finally:
-            await self.chunks.aclose()
-            self.run.close()
-
-
-def _sse(payload: Dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
-def _named_sse(payload: Dict[str, Any]) -> bytes:
-    return f"event: {payload['type']}\n".encode() + _sse(payload)
-
-
 # Errors, the API key, and the log.
 
 def _endpoint(state: ServerState, handler):
@@ -469,7 +291,7 @@ def _endpoint(state: ServerState, handler):
         except ClientGone:
             return Response(status_code=499)  # nobody is there to read it
         except Exception as e:
-            _log_exception(state, e)
+            log_exception(state.log, e)
             return _error(ApiError(500, f"internal error: {type(e).__name__}; the server logged it"))
     return endpoint
 
@@ -495,10 +317,6 @@ async def _json(request: Request) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"We could not parse the JSON body of your request ({e}). The body must be valid JSON.",
                        code="invalid_json") from None
-
-
-def _log_exception(state: ServerState, e: Exception) -> None:
-    state.log("llama-server: internal error:\n" + "".join(traceback.format_exception(e)).rstrip())
 
 
 class _CheckKey:
