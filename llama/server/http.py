@@ -4,8 +4,8 @@ A request is checked (llama/server/openai_api.py), becomes one engine job per pr
 from the job's events (llama/server/replies.py): whole, or as Server-Sent Events while they come. A stream's
 headers wait for its first event, so a request refused before it ran (the server stopping) gets its status, 503,
 not a 200. A client that leaves cancels its jobs at once, streaming or not. Every error leaves in OpenAI's one
-shape; nothing a client sends can show it a traceback or stop the server from serving the next request. `GET /` is the chat page
-(llama/server/webui/index.html), a static file that talks to the same API.
+shape; nothing a client sends can show it a traceback or stop the server from serving the next request. `GET /`
+is the chat page (llama/server/webui/index.html), a static file that talks to the same API.
 """
 
 import hmac
@@ -23,8 +23,9 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from llama.server.engine import Delta, Engine
+from llama.server.fields import ApiError
 from llama.server.openai_api import (
-    ApiError, Params, chat_logprobs, check_lengths, completion_logprobs, new_id, now, parse_chat, parse_completion,
+    Params, chat_logprobs, check_lengths, completion_logprobs, new_id, now, parse_chat, parse_completion,
     parse_responses, response_usage,
 )
 from llama.server.replies import ClientGone, Run, collect, log_exception, named_sse, stream

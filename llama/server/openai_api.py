@@ -1,47 +1,23 @@
 """OpenAI's request and response shapes: parameters checked and turned into jobs, results turned into JSON.
 
-Plain Python, no HTTP and no tensors. Everything a client can get wrong is an `ApiError`, which is made
-into OpenAI's one error shape here and nowhere else: `{"error": {"message", "type", "param", "code"}}`.
-Unknown fields are ignored, as OpenAI's own server does for fields it does not use.
+Plain Python, no HTTP and no tensors. What a client gets wrong is an `ApiError` (llama/server/fields.py); a chat's
+messages become its prompt in llama/server/chat_prompt.py. Unknown fields are ignored, as OpenAI's own server does
+for fields it does not use.
 """
 
-import json
-import math
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from llama import chat_template
-from llama.chat_template import TemplateUnavailable
 from llama.constraint import Grammar, StructuredUnavailable
-from llama.dialog import encode_dialog, has_special_tags
 from llama.errors import LlamaError
 from llama.sampling import SamplingControls
 from llama.server import tools as tool_calls
+from llama.server.chat_prompt import chat_prompt, check_message, check_tools
 from llama.server.engine import TokenLogprob
+from llama.server.fields import ApiError, boolean, check_object, integer, kind_of, number
 from llama.server.text import token_bytes, token_text
-from llama.tokenizer import special_tokens
-
-ROLES = ("system", "user", "assistant")
-
-
-class ApiError(Exception):
-    """A request the server will not run, with the HTTP status and OpenAI's error fields."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-
-    def body(self) -> Dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: Optional[str] = None, code: Optional[str] = None) -> Dict[str, Any]:
-    """OpenAI's error object: the one shape every error on the wire has."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @dataclass
@@ -69,16 +45,16 @@ class Params:
 
 def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
     """A chat completion request: messages in the model's chat format, and the common parameters."""
-    body = _object(body)
+    body = check_object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list of messages", "messages", "invalid_type")
-    checked = [_message(m, i) for i, m in enumerate(messages)]
-    use = _tools(body)
+    checked = [check_message(m, i) for i, m in enumerate(messages)]
+    use = check_tools(body)
     if use is not None and body.get("response_format") not in (None, {"type": "text"}):
         raise ApiError(400, "'response_format' and 'tools' each constrain the reply; give one of them", "response_format",
                        "invalid_value")
-    prompt = _chat_prompt(tokenizer, checked, use)
+    prompt = chat_prompt(tokenizer, checked, use)
     params = _common(body, [prompt], vocab_size, tokenizer)
     if use is not None:
         params.tools, params.grammar = use, tool_calls.grammar(use)
@@ -90,9 +66,9 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
         except LlamaError as e:
             raise ApiError(400, f"Invalid 'tools': {e}", "tools", "invalid_value") from None
     if body.get("max_completion_tokens") is not None:
-        params.max_tokens = _integer(body, "max_completion_tokens", None, 1)
-    if _boolean(body, "logprobs", False):
-        params.logprobs = _integer(body, "top_logprobs", 0, 0, 20)
+        params.max_tokens = integer(body, "max_completion_tokens", None, 1)
+    if boolean(body, "logprobs", False):
+        params.logprobs = integer(body, "top_logprobs", 0, 0, 20)
     elif body.get("top_logprobs") is not None:
         raise ApiError(400, "'top_logprobs' needs 'logprobs' set to true", "top_logprobs", "invalid_value")
     return params
@@ -100,13 +76,13 @@ def parse_chat(body: Any, tokenizer, vocab_size: int) -> Params:
 
 def parse_completion(body: Any, tokenizer, vocab_size: int) -> Params:
     """A completion request: a prompt as a string, a list of strings, token ids, or a list of those."""
-    body = _object(body)
+    body = check_object(body)
     prompts, texts = _prompts(body.get("prompt"), tokenizer, vocab_size)
     params = _common(body, prompts, vocab_size, tokenizer)
     params.prompt_texts = texts
-    params.echo = _boolean(body, "echo", False)
+    params.echo = boolean(body, "echo", False)
     if body.get("logprobs") is not None:
-        params.logprobs = _integer(body, "logprobs", None, 0, 5)
+        params.logprobs = integer(body, "logprobs", None, 0, 5)
     return params
 
 
@@ -116,7 +92,7 @@ def parse_responses(body: Any, tokenizer, vocab_size: int) -> Params:
     `stream`, and `text.format` (chat's `response_format` in the Responses form: the schema's `name`, `schema` and
     `strict` beside its `type`). The other fields, tools and stored state among them, are not served and are
     ignored."""
-    body = _object(body)
+    body = check_object(body)
     given = body.get("input")
     if isinstance(given, str):
         given = [{"role": "user", "content": given}]
@@ -228,178 +204,6 @@ def completion_logprobs(tokenizer, logprobs: List[TokenLogprob], offset: int, k:
 
 # Checking the parts of a request.
 
-def _object(body: Any) -> Dict[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
-
-
-def _message(m: Any, i: int) -> Dict[str, Any]:
-    """A message checked: its role, its content as a string, an assistant's calls (each's id, name and arguments'
-    JSON text) and a tool result's call id."""
-    if not isinstance(m, dict):
-        raise ApiError(400, f"messages[{i}] must be an object with a role and content", "messages", "invalid_type")
-    role = "system" if m.get("role") == "developer" else m.get("role")
-    if role not in ROLES + ("tool",):
-        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES + ('tool',))}, not {m.get('role')!r}",
-                       "messages", "invalid_value")
-    content = m.get("content")
-    if content is None and role == "assistant":
-        content = ""
-    if isinstance(content, list):  # content parts: only text ones
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise ApiError(400, f"messages[{i}].content parts must all be text ({{'type': 'text', 'text': ...}})",
-                           "messages", "invalid_value")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", "messages", "invalid_type")
-    checked: Dict[str, Any] = {"role": role, "content": content}
-    if role == "assistant" and m.get("tool_calls"):
-        checked["tool_calls"] = []
-        try:
-            for c in m["tool_calls"]:
-                name, arguments = c["function"]["name"], c["function"]["arguments"]
-                json.loads(arguments)
-                if not isinstance(name, str):
-                    raise TypeError(name)
-                checked["tool_calls"].append({"id": c.get("id"), "name": name, "arguments": arguments.strip()})
-        except (TypeError, KeyError, ValueError, AttributeError):
-            raise ApiError(400, f"messages[{i}].tool_calls must each be {{'type': 'function', 'function': {{'name': "
-                                "..., 'arguments': JSON text}}", "messages", "invalid_value") from None
-    if role == "tool" and isinstance(m.get("tool_call_id"), str):
-        checked["tool_call_id"] = m["tool_call_id"]
-    return checked
-
-
-def _chat_prompt(tokenizer, messages: List[Dict[str, Any]], use: Optional[tool_calls.ToolUse]) -> List[int]:
-    """The prompt's tokens: through the model's chat template where the dialog has tools (offered, called or
-    answered) and the template knows them; else in the model's chat format, the tools in the Hermes form."""
-    template = getattr(tokenizer, "chat_template", None)
-    involved = use is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
-    try:
-        if involved and chat_template.knows_tools(template):
-            return _templated_prompt(tokenizer, template, messages, use)
-    except TemplateUnavailable as e:
-        raise ApiError(500, f"this server cannot run the model's chat template: {e}", None,
-                       "chat_template_unavailable") from None
-    dialog = _hermes_dialog(messages, use)
-    if has_special_tags(dialog, getattr(tokenizer, "chat_format", "llama2")):
-        raise ApiError(400, "messages may not contain the chat format's own tags", "messages", "invalid_value")
-    try:
-        return encode_dialog(tokenizer, dialog)
-    except LlamaError as e:
-        raise ApiError(400, str(e), "messages", "invalid_value") from None
-
-
-def _hermes_dialog(messages: List[Dict[str, Any]], use: Optional[tool_calls.ToolUse]) -> List[Dict[str, str]]:
-    """The dialog with tools in the Hermes form: the tools first in the system message, where the model looks for
-    them; calls as the model wrote them; results as one user turn after the calls (the chat formats alternate user
-    and assistant)."""
-    dialog: List[Dict[str, Any]] = []
-    for m in messages:
-        if m["role"] == "tool":
-            result = tool_calls.response_text(m["content"])
-            if dialog and dialog[-1].get("tool"):
-                dialog[-1]["content"] += "\n" + result
-            else:
-                dialog.append({"role": "user", "content": result, "tool": True})
-        elif m.get("tool_calls"):
-            written = [tool_calls.call_text(c["name"], c["arguments"]) for c in m["tool_calls"]]
-            content = "\n".join(([m["content"]] if m["content"] else []) + written)
-            dialog.append({"role": "assistant", "content": content})
-        else:
-            dialog.append({"role": m["role"], "content": m["content"]})
-    if use is not None:
-        system = tool_calls.system_text(use)
-        if dialog[0]["role"] == "system":
-            dialog[0] = {"role": "system", "content": system + "\n\n" + dialog[0]["content"]}
-        else:
-            dialog.insert(0, {"role": "system", "content": system})
-    return [{"role": m["role"], "content": m["content"]} for m in dialog]
-
-
-def _templated_prompt(tokenizer, template: str, messages: List[Dict[str, Any]],
-                      use: Optional[tool_calls.ToolUse]) -> List[int]:
-    """The dialog through the model's own template, in the shape transformers gives one: an assistant's calls with
-    their arguments as JSON values, the tools as OpenAI's function objects."""
-    shaped = []
-    for m in messages:
-        out = {"role": m["role"], "content": m["content"]}
-        if m.get("tool_calls"):
-            out["tool_calls"] = [{**({"id": c["id"]} if c["id"] is not None else {}), "type": "function",
-                                  "function": {"name": c["name"], "arguments": json.loads(c["arguments"])}}
-                                 for c in m["tool_calls"]]
-        if "tool_call_id" in m:
-            out["tool_call_id"] = m["tool_call_id"]
-        shaped.append(out)
-    tools = None if use is None else [
-        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-        for t in use.tools]
-    # The template writes the special tokens; text from the request must not forge them.
-    special = set(special_tokens(tokenizer).values())
-    for param, given in [("messages", shaped), ("tools", tools or [])]:
-        forged = sorted({t for text in _strings(given) for t in special if t and t in text})
-        if forged:
-            raise ApiError(400, f"{param} may not contain the model's special tokens ({', '.join(forged)})", param,
-                           "invalid_value")
-    try:
-        text = chat_template.render(template, shaped, tools,
-                                    bos_token=chat_template.token_text(tokenizer, tokenizer.bos_id),
-                                    eos_token=chat_template.token_text(tokenizer, tokenizer.eos_id))
-    except LlamaError as e:
-        raise ApiError(400, str(e), "messages", "invalid_value") from None
-    prompt = chat_template.encode_rendered(tokenizer, text)
-    if not prompt:
-        raise ApiError(400, "the model's chat template renders these messages as no text", "messages", "invalid_value")
-    return prompt
-
-
-def _strings(value: Any):
-    """Every string in a JSON value, its keys included."""
-    if isinstance(value, str):
-        yield value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _strings(key)
-            yield from _strings(item)
-    elif isinstance(value, list):
-        for item in value:
-            yield from _strings(item)
-
-
-def _tools(body: Dict[str, Any]) -> Optional[tool_calls.ToolUse]:
-    """`tools`, `tool_choice` and `parallel_tool_calls`, checked; None where no tool may be called."""
-    given = body.get("tools")
-    if given is None or given == []:
-        return None
-    if not isinstance(given, list):
-        raise ApiError(400, f"Invalid type for 'tools': expected an array, but got {_kind(given)} instead.", "tools",
-                       "invalid_type")
-    tools = []
-    for i, t in enumerate(given):
-        f = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
-            raise ApiError(400, f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
-                                "...}}", "tools", "invalid_value")
-        parameters = f.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", "tools", "invalid_type")
-        tools.append(tool_calls.Tool(f["name"], str(f.get("description") or ""), parameters))
-    choice = body.get("tool_choice", "auto")
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type", "function") == "function" else None
-        if name not in [t.name for t in tools]:
-            raise ApiError(400, f"'tool_choice' names {name!r}, which is not one of the tools", "tool_choice",
-                           "invalid_value")
-        choice = name
-    elif choice == "none":
-        return None
-    elif choice not in ("auto", "required"):
-        raise ApiError(400, f"Invalid 'tool_choice': expected 'none', 'auto', 'required' or a function, but got "
-                            f"{choice!r} instead.", "tool_choice", "invalid_value")
-    return tool_calls.ToolUse(tuple(tools), choice, _boolean(body, "parallel_tool_calls", True))
-
-
 def _prompts(prompt: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]], List[str]]:
     def ids(p: List[Any]) -> List[int]:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p):
@@ -431,18 +235,18 @@ def _prompts(prompt: Any, tokenizer, vocab_size: int) -> Tuple[List[List[int]], 
 
 
 def _common(body: Dict[str, Any], prompts: List[List[int]], vocab_size: int, tokenizer) -> Params:
-    params = Params(prompts, _integer(body, "max_tokens", None, 1))
-    params.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    params.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    params.n = _integer(body, "n", 1, 1, 128)
-    params.seed = _integer(body, "seed", None, -2**63, 2**64 - 1)
-    params.stream = _boolean(body, "stream", False)
-    params.ignore_eos = _boolean(body, "ignore_eos", False)
-    params.cache_prompt = _boolean(body, "cache_prompt", True)
+    params = Params(prompts, integer(body, "max_tokens", None, 1))
+    params.temperature = number(body, "temperature", 1.0, 0.0, 2.0)
+    params.top_p = number(body, "top_p", 1.0, 0.0, 1.0)
+    params.n = integer(body, "n", 1, 1, 128)
+    params.seed = integer(body, "seed", None, -2**63, 2**64 - 1)
+    params.stream = boolean(body, "stream", False)
+    params.ignore_eos = boolean(body, "ignore_eos", False)
+    params.cache_prompt = boolean(body, "cache_prompt", True)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options", "invalid_type")
-    params.include_usage = bool(options and _boolean(options, "include_usage", False, "stream_options.include_usage"))
+    params.include_usage = bool(options and boolean(options, "include_usage", False, "stream_options.include_usage"))
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -462,8 +266,8 @@ def response_format(value: Any, tokenizer) -> Optional[Grammar]:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise ApiError(400, f"Invalid type for 'response_format': expected an object, but got {_kind(value)} instead.",
-                       "response_format", "invalid_type")
+        raise ApiError(400, f"Invalid type for 'response_format': expected an object, but got {kind_of(value)} "
+                            "instead.", "response_format", "invalid_type")
     kind = value.get("type")
     if kind == "text":
         return None
@@ -484,7 +288,8 @@ def response_format(value: Any, tokenizer) -> Optional[Grammar]:
             schema = spec.get("schema", {})
             if not isinstance(schema, (dict, bool)):
                 raise ApiError(400, f"Invalid type for 'response_format.json_schema.schema': expected an object, but "
-                                    f"got {_kind(schema)} instead.", "response_format.json_schema.schema", "invalid_type")
+                                    f"got {kind_of(schema)} instead.", "response_format.json_schema.schema",
+                               "invalid_type")
             grammar = Grammar.json_schema(schema)
         else:
             raise ApiError(400, f"Invalid 'response_format.type': expected one of 'text', 'json_object' or "
@@ -503,7 +308,7 @@ def _controls(body: Dict[str, Any], vocab_size: int) -> SamplingControls:
     and llama.cpp (llama/sampling.py applies them)."""
     bias = body.get("logit_bias")
     if bias is not None and not isinstance(bias, dict):
-        raise ApiError(400, f"Invalid type for 'logit_bias': expected an object, but got {_kind(bias)} instead.",
+        raise ApiError(400, f"Invalid type for 'logit_bias': expected an object, but got {kind_of(bias)} instead.",
                        "logit_bias", "invalid_type")
     pairs = []
     for key, value in (bias or {}).items():
@@ -511,58 +316,14 @@ def _controls(body: Dict[str, Any], vocab_size: int) -> SamplingControls:
         if token is None or not 0 <= token < vocab_size:
             raise ApiError(400, f"Invalid 'logit_bias': its keys must be token ids from 0 to {vocab_size - 1}, but got "
                                 f"{key!r}.", "logit_bias", "invalid_value")
-        pairs.append((token, _number(bias, key, 0.0, -100.0, 100.0, f"logit_bias.{key}")))
-    repeat_penalty = _number(body, "repeat_penalty", 1.0, 0.0, 10.0)
+        pairs.append((token, number(bias, key, 0.0, -100.0, 100.0, f"logit_bias.{key}")))
+    repeat_penalty = number(body, "repeat_penalty", 1.0, 0.0, 10.0)
     if repeat_penalty <= 0:
         raise ApiError(400, f"Invalid 'repeat_penalty': expected a value above 0 (1 is none), but got {repeat_penalty} "
                             "instead.", "repeat_penalty", "invalid_value")
-    top_k = _integer(body, "top_k", 0, -1)
+    top_k = integer(body, "top_k", 0, -1)
     return SamplingControls(
-        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        repeat_penalty=repeat_penalty, repeat_last_n=_integer(body, "repeat_last_n", 64, -1),
-        logit_bias=tuple(sorted(pairs)), top_k=max(top_k, 0), min_p=_number(body, "min_p", 0.0, 0.0, 1.0))
-
-
-def _number(body: Dict[str, Any], name: str, default: Optional[float], low: float, high: float,
-            param: Optional[str] = None) -> Optional[float]:
-    value = body.get(name)
-    param = param or name
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ApiError(400, f"Invalid type for '{param}': expected a number, but got {_kind(value)} instead.", param,
-                       "invalid_type")
-    if not low <= value <= high:
-        raise ApiError(400, f"Invalid '{param}': expected a value from {low:g} to {high:g}, but got {value} instead.",
-                       param, "invalid_value")
-    return float(value)
-
-
-def _integer(body: Dict[str, Any], name: str, default: Optional[int], low: int, high: Optional[int] = None) -> Optional[int]:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"Invalid type for '{name}': expected an integer, but got {_kind(value)} instead.", name, "invalid_type")
-    if value < low or (high is not None and value > high):
-        expected = f"at least {low}" if high is None else f"from {low} to {high}"
-        raise ApiError(400, f"Invalid '{name}': expected an integer {expected}, but got {value} instead.", name, "invalid_value")
-    return value
-
-
-def _boolean(body: Dict[str, Any], name: str, default: bool, param: Optional[str] = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"Invalid type for '{param or name}': expected a boolean, but got {_kind(value)} instead.",
-                       param or name, "invalid_type")
-    return value
-
-
-def _kind(value: Any) -> str:
-    return {str: "a string", bool: "a boolean", list: "an array", dict: "an object", int: "an integer",
-            float: "a decimal"}.get(type(value), type(value).__name__)
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        repeat_penalty=repeat_penalty, repeat_last_n=integer(body, "repeat_last_n", 64, -1),
+        logit_bias=tuple(sorted(pairs)), top_k=max(top_k, 0), min_p=number(body, "min_p", 0.0, 0.0, 1.0))

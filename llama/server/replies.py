@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from llama.server.engine import Delta, Done, Engine, Failed, Job, PromptLogprobs, Unavailable
-from llama.server.openai_api import ApiError, Params, error_body, usage
+from llama.server.fields import ApiError, error_body
+from llama.server.openai_api import Params, usage
 
 _GONE = object()  # put on a request's event queue when its client disconnects
 
