@@ -14,7 +14,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from llama import kernels
-from llama.compile import aot
+from llama.compile import store
 from llama.compile.step import CompileFailed, CompiledStep, compile_step, eager_note
 from llama.convert.cache import resolve_checkpoint
 from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
@@ -102,9 +102,9 @@ def load(flags: ModelFlags, progress: Optional[Progress] = None) -> Loaded:
     # Refuse before reading gigabytes that cannot fit.
     dtype, dtype_notes = choose_dtype(reader, args, quant, dtype, flags.dtype is not None, device, world_size,
                                       block_scales)
-    facts = Facts(device, world_size, aot.used(device), quant, dtype, tuple(dtype_notes), Kernels.here(),
+    facts = Facts(device, world_size, store.used(device), quant, dtype, tuple(dtype_notes), Kernels.here(),
                   kernels.unavailable_reason(),
-                  aot.UNSUPPORTED_NOTE if device.type == "cpu" and not aot.SUPPORTED else None)
+                  store.UNSUPPORTED_NOTE if device.type == "cpu" and not store.SUPPORTED else None)
     plan = plan_run(flags, facts)
     if plan.needs_kernels and not kernels.loaded():  # planned again with what loading them found
         kernels.load(progress)

@@ -63,7 +63,7 @@ class Facts:
 
     device: torch.device  # this process's device
     world_size: int  # processes the model is split across
-    stored_step: bool  # a compiled step on `device` comes from stored packages (llama/compile/aot.py `used`)
+    stored_step: bool  # a compiled step on `device` comes from stored packages (llama/compile/store.py `used`)
     quant: Plan  # weight name -> (method, group size): what the linear layers hold (llama/io/weights.py resolve_plan)
     dtype: torch.dtype  # what the weights compute in, checked to fit in memory (llama/io/weights.py choose_dtype)
     dtype_notes: Tuple[str, ...] = ()  # why `dtype` is not the one asked for

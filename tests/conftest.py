@@ -27,7 +27,7 @@ def pytest_configure(config):
     if not os.environ.get("LLAMA_KERNELS_DIR"):
         cache = getattr(config, "cache", None)
         os.environ["LLAMA_KERNELS_DIR"] = str(cache.mkdir("llama-kernels") if cache else tempfile.mkdtemp())
-    # The same for the compiled steps' packages (llama/compile/aot.py).
+    # The same for the compiled steps' packages (llama/compile/store.py).
     if not os.environ.get("LLAMA_COMPILED_DIR"):
         cache = getattr(config, "cache", None)
         os.environ["LLAMA_COMPILED_DIR"] = str(cache.mkdir("llama-compiled") if cache else tempfile.mkdtemp())

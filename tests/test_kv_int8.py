@@ -16,7 +16,8 @@ from torch import nn
 
 from helpers import build, write_tiny
 from llama import kernels
-from llama.compile.aot import AheadOfTimeStep, PagedStep, _key, describe_key
+from llama.compile.aot import AheadOfTimeStep, PagedStep
+from llama.compile.store import describe_key, package_dir
 from llama.compile.step import kv_cache_dtype_note
 from llama.errors import LlamaError
 from llama.kernels.build import missing
@@ -270,12 +271,12 @@ def test_a_stored_steps_key_names_the_cache_dtype(gqa_ckpt):
     caches of the dtype its packages were built for."""
     model = build(gqa_ckpt).model
     dtypes = (torch.float32, torch.bfloat16, torch.int8)
-    keys = {kv: _key(describe_key(model, 1, kv_dtype=kv)) for kv in dtypes}
-    assert len(set(keys.values())) == 3 and keys[torch.float32] == _key(describe_key(model, 1))
+    places = {kv: package_dir(describe_key(model, 1, kv_dtype=kv)) for kv in dtypes}
+    assert len(set(places.values())) == 3 and places[torch.float32] == package_dir(describe_key(model, 1))
     assert len({PagedStep(model, model.new_paged_kv_cache(8, 4, kv))._place((2, 16))[1] for kv in dtypes}) == 3
     model.kv_cache_dtype = torch.int8
     step = AheadOfTimeStep(model)
-    assert step._place(1)[1].name == keys[torch.int8] and step._place((1, 4))[1] != step._place(1)[1]
+    assert step._place(1)[1] == places[torch.int8] and step._place((1, 4))[1] != step._place(1)[1]
     tokens = torch.zeros((1, 1), dtype=torch.long)
     assert step.accepts(tokens, model.new_kv_cache(1, 8), 1)
     assert not step.accepts(tokens, model.new_kv_cache(1, 8, torch.float32), 1)

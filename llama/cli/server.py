@@ -21,7 +21,7 @@ from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags
 from llama.cli.printer import ProgressPrinter
-from llama.compile import aot
+from llama.compile import store
 from llama.compile.step import kv_cache_dtype_note
 from llama.convert.fetch import DEFAULT_MODEL
 from llama.run_plan import ModelFlags
@@ -147,7 +147,7 @@ def main(
     compile = flags.checked().compile  # the batched step's: llama/server/runner.py compiles it
     if compile is True and flags.kv_cache_dtype == "int8":  # never the model's dtype; refused before the server listens
         try:
-            kv_cache_dtype_note(torch.int8, explicit=True, stored_step=aot.used(local_device(resolve_device(flags.device))))
+            kv_cache_dtype_note(torch.int8, explicit=True, stored_step=store.used(local_device(resolve_device(flags.device))))
         except LlamaError as e:
             fail(as_flags(str(e)))
     if speculate is not None:

@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from llama.compile import aot
+from llama.compile import store
 from llama.compile.aot import AheadOfTimeStep, PagedStep, Unsupported, quiet_inductor
 from llama.kernels import build
 from llama.errors import LlamaError, first_line
@@ -66,7 +66,7 @@ def eager_note(reason: str) -> str:
 def kv_cache_dtype_note(kv_dtype: torch.dtype, explicit: bool, stored_step: bool) -> Optional[str]:
     """Where the KV cache holds keys and values in another dtype than the model computes in (int8, or bf16 for a
     float32 model): None where the decode step still compiles, which the stored steps do (`stored_step`: on the CPU,
-    llama/compile/aot.py `used`, a package per cache dtype). Elsewhere (torch.compile: a GPU, LLAMA_COMPILE_AOT=0) the
+    llama/compile/store.py `used`, a package per cache dtype). Elsewhere (torch.compile: a GPU, LLAMA_COMPILE_AOT=0) the
     decode step runs eagerly: the note that says so, or with `explicit` (compile=True) a LlamaError."""
     if stored_step:
         return None
@@ -110,7 +110,7 @@ class CompiledStep:
         # around a torch bug.
         self._cpp_wrapper = (model.device.type == "cpu"
                              and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
-        self.ahead_of_time = AheadOfTimeStep(model, progress) if aot.used(model.device) else None
+        self.ahead_of_time = AheadOfTimeStep(model, progress) if store.used(model.device) else None
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]],
                  num_logits: Optional[int] = None) -> torch.Tensor:
@@ -176,7 +176,7 @@ class CompiledStep:
         ahead = self.ahead_of_time
         if ahead is None or not ahead.building:
             return
-        what = (f"storing the compiled decode step for later runs (once per model shape, in {aot.compiled_dir()}; "
+        what = (f"storing the compiled decode step for later runs (once per model shape, in {store.compiled_dir()}; "
                 "Ctrl-C skips it)")
         try:
             with progress_step(or_silent(progress), what):
@@ -279,10 +279,10 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, mode: Union[bool
         LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler), and `mode` is True.
     """
     auto, notes = mode == "auto", []
-    ahead = aot.used(model.device)
+    ahead = store.used(model.device)
     if auto and not ahead:
-        if model.device.type == "cpu" and not aot.SUPPORTED:
-            notes.append(aot.UNSUPPORTED_NOTE)
+        if model.device.type == "cpu" and not store.SUPPORTED:
+            notes.append(store.UNSUPPORTED_NOTE)
         return None, notes  # the eager step, as the commands' default here (on a GPU, or an older torch)
     for module in model.modules():
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
-from llama.compile import aot
+from llama.compile import store
 from llama.compile.step import kv_cache_dtype_note
 from llama.errors import LlamaError
 from llama.generation import Llama
@@ -60,7 +60,7 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
         compile = False  # the default's stored step runs in one process, as the commands
     model = llama.model
     if model.kv_cache_dtype != model.dtype and compile and kv_cache_dtype_note(
-            model.kv_cache_dtype, explicit=compile is True, stored_step=aot.used(model.device)) is not None:
+            model.kv_cache_dtype, explicit=compile is True, stored_step=store.used(model.device)) is not None:
         compile = False  # Llama.build gave the note of the default
     per_position = model.kv_cache_nbytes(1, 1)  # this rank's share of the heads
     if kv_cache_size is None:

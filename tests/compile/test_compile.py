@@ -234,14 +234,14 @@ def test_a_model_the_package_cannot_hold_is_remembered_and_never_exported_again(
 def test_a_torch_the_stored_step_was_not_checked_on_runs_eagerly_with_a_note(gqa_ckpt, tmp_path, monkeypatch):
     """torch 2.11 crashes loading a package (a segmentation fault in its loader): older torches never build or load
     one. The default then runs eagerly and says why; nothing is stored."""
-    from llama.compile import aot
+    from llama.compile import store
 
-    monkeypatch.setattr(aot, "SUPPORTED", False)
+    monkeypatch.setattr(store, "SUPPORTED", False)
     monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
     monkeypatch.setenv("LLAMA_COMPILE", "auto")  # what a user has; conftest.py sets 0
     llama = build(gqa_ckpt)  # no compile=: Llama.build's default is the commands' default, "auto"
     assert llama.compiled_step is None and not list(tmp_path.iterdir())
-    assert [n for n in llama.info.notes if "needs torch 2.13 or newer" in n] == [aot.UNSUPPORTED_NOTE]
+    assert [n for n in llama.info.notes if "needs torch 2.13 or newer" in n] == [store.UNSUPPORTED_NOTE]
 
 
 def test_build_readies_the_batch_size_asked_for_and_no_other(gqa_ckpt, monkeypatch):

@@ -138,12 +138,13 @@ def test_the_compiled_decode_step_gives_the_same_completions(gqa_ckpt, how, monk
 def test_the_block_size_is_part_of_a_stored_server_steps_key(gqa_ckpt):
     """The generated code holds the block size in its index arithmetic: a package built for blocks of 4 read past
     the pool of a server with blocks of 16 (an earlier version, which keyed packages without it)."""
-    from llama.compile.aot import _key, describe_key
+    from llama.compile.store import describe_key, package_dir
 
     model = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN).model
-    keys = {_key(describe_key(model, [2, 16], "paged", PagedStep(model, model.new_paged_kv_cache(8, bs)).key_extra))
-            for bs in (4, 16, 4)}
-    assert len(keys) == 2
+    places = {package_dir(describe_key(model, [2, 16], "paged",
+                                       PagedStep(model, model.new_paged_kv_cache(8, bs)).key_extra))
+              for bs in (4, 16, 4)}
+    assert len(places) == 2
 
 
 def _serve_compiled(gqa_ckpt, stored):
