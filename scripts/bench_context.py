@@ -2,7 +2,7 @@
 
     python scripts/bench_context.py [--prompts 512,2048,8192] [--contexts 0,2048,8192] [--new_tokens 128]
         [--quantize none,int8,int4] [--kv_cache_dtype auto] [--threads 2] [--repeats 2] [--nollamacpp]
-        [--ik_llama_bench PATH] [--model FILE.gguf] [--cache_dir DIR]
+        [--ik_llama_bench PATH] [--model FILE.gguf] [--cache_dir DIR] [--busy N]
 
 Ours: the default model (SmolLM2-135M-Instruct) in each --quantize (none: float32; int8 / int4: the integer
 kernels, with the row-exact blocked attention), batch 1, the decode step compiled and
@@ -14,7 +14,8 @@ and its first token, N / seconds. Decode: after a context of N tokens (read unti
 
 llama.cpp: its llama-bench, built once into --cache_dir from the llama-cpp-python sdist's vendored tree
 (scripts/bench_server.py's `build_llama_cpp`, cmake and a C++ compiler needed), on GGUFs its own llama-quantize
-makes from the shipped Q4_1 file (F32, Q8_0 and Q4_0 for none, int8 and int4): `-p N -n 0` and
+makes from the shipped Q4_1 file (F32 and Q8_0 for none and int8; for int4 Q4_1 with the embedding and output layer
+in Q8_0, the weights `--quantize int4` holds, and the all-Q4_0 file people download): `-p N -n 0` and
 `-p 0 -n 128 -d N`, each with flash attention off and on (`-fa 0,1`), the faster counted. --ik_llama_bench names
 ik_llama.cpp's llama-bench (built from github.com/ikawrakow/ik_llama.cpp with cmake), run alike with `-rtr 1`
 (weights repacked at load) and, as its llama-bench has no `-d`, `-gp N,128` for decode after N. Each runner's repeats are its
@@ -24,9 +25,13 @@ Before the runners, the machine's memory rate on the same threads (1 GiB on 2 Mi
 summed and copied), and after each of ours the weights a decode step reads (every parameter and buffer but the
 embedding's) with the rate its decode after 0 reads them at: the roofline a batch-1 decode is held against.
 
+--busy N keeps N other processes busy (each a Python loop, at the same priority) for the whole run: how each engine
+decodes on a machine doing other work, as a laptop or a shared server is. `--busy 2 --contexts 0,300,2048 --prompts
+512` measures a 2-core machine with both cores wanted elsewhere.
+
 --model measures another GGUF (F16 or F32) instead of the default model, such as LLaMA-2 7B's shapes with 8 layers:
 `python scripts/write_random_gguf.py 7b-8l-F16.gguf --size 7B --n_layers 8 --type F16`, then `--model 7b-8l-F16.gguf
---prompts 512,2048 --contexts 0,2048`. llama-quantize makes its F32, Q8_0 and Q4_0 files (every tensor in that type)
+--prompts 512,2048 --contexts 0,2048`. llama-quantize makes its F32, Q8_0, Q4_1 (Q8_0 output) and Q4_0 files
 into --cache_dir; ours reads the F32 one and quantizes it with --quantize.
 """
 
@@ -34,6 +39,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -41,10 +47,16 @@ from typing import Dict, List, Optional
 import fire
 import torch
 
-from bench_server import GGUF_TYPES, build_llama_cpp, f32_gguf
+from bench_server import build_llama_cpp, f32_gguf
 from llama import Llama
 from llama.convert.fetch import default_model_dir
 from llama.runtime.pages import huge_empty
+
+
+# The GGUFs the other engines read beside each --quantize: the same weights as ours first (int4: Q4_1 blocks with the
+# embedding and output layer in Q8_0, as `--quantize int4` holds them), then for int4 the file people download, every
+# tensor Q4_0 (fewer bytes, and +34% perplexity on the default model: docs/quantization.md).
+THEIR_TYPES = {"none": [("F32", None)], "int8": [("Q8_0", None)], "int4": [("Q4_1", "q8_0"), ("Q4_0", None)]}
 
 
 def _list(value) -> List[str]:
@@ -135,7 +147,8 @@ def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int
 
 def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128, quantize="none,int8,int4",
          kv_cache_dtype="auto", threads: int = 2, repeats: int = 2, llamacpp: bool = True,
-         ik_llama_bench: Optional[str] = None, model: Optional[str] = None, cache_dir: Optional[str] = None):
+         ik_llama_bench: Optional[str] = None, model: Optional[str] = None, cache_dir: Optional[str] = None,
+         busy: int = 0):
     """Measure ours and llama.cpp's llama-bench (and ik_llama.cpp's, if named); see the module docstring."""
     torch.set_num_threads(threads)
     prompt_counts = [int(n) for n in _list(prompts)]
@@ -151,9 +164,20 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
                          "drop --nollamacpp or name --ik_llama_bench")
     ours_model = f32_gguf(quantizer_dir, cache, threads, "F32", source) if source is not None else None
     keys = [f"pp {n}" for n in prompt_counts] + [f"tg {n}" for n in context_counts]
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+    try:
+        _measure(quantize, kv_cache_dtype, threads, repeats, prompt_counts, context_counts, new_tokens, keys, cache,
+                 bin_dir, quantizer_dir, source, ours_model, ik_llama_bench, busy)
+    finally:
+        for proc in load:
+            proc.kill()
+
+
+def _measure(quantize, kv_cache_dtype, threads, repeats, prompt_counts, context_counts, new_tokens, keys, cache,
+             bin_dir, quantizer_dir, source, ours_model, ik_llama_bench, busy):
     bandwidth = memory_bandwidth()
     print(f"{ours_model or 'the default model'}: tokens/s, {threads} threads; pp N: a prompt of N tokens; "
-          f"tg N: {new_tokens} tokens after N of context")
+          f"tg N: {new_tokens} tokens after N of context" + (f"; {busy} busy processes running beside" if busy else ""))
     print(f"memory, {threads} threads: read {bandwidth['read']:.1f} GB/s (1 GiB summed), copy {bandwidth['copy']:.1f} "
           "GB/s (1 GiB copied, bytes read and written)")
     print(f"{'':>24}" + "".join(f"{k:>10}" for k in keys))
@@ -163,15 +187,16 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
             name = f"llama-kv {q}" + ("" if kv == "auto" else f" kv {kv}")
             runners[name] = lambda q=q, kv=kv: ours(q, prompt_counts, context_counts, new_tokens, repeats, kv,
                                                     ours_model)
-        if quantizer_dir is not None:
-            gguf = f32_gguf(quantizer_dir, cache, threads, GGUF_TYPES[q], source)
-        if bin_dir is not None:
-            runners[f"llama.cpp {GGUF_TYPES[q]}"] = lambda gguf=gguf: llama_bench(
-                bin_dir / "llama-bench", gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])
-        if ik_llama_bench:
-            runners[f"ik_llama.cpp {GGUF_TYPES[q]}"] = lambda gguf=gguf: llama_bench(
-                Path(ik_llama_bench), gguf, prompt_counts, context_counts, new_tokens, threads, repeats, ["-rtr", "1"],
-                depth_flag=False)
+        for gguf_type, output_type in THEIR_TYPES[q] if quantizer_dir is not None else []:
+            gguf = f32_gguf(quantizer_dir, cache, threads, gguf_type, source, output_type)
+            label = gguf_type + (f" ({output_type.upper()} output)" if output_type else "")
+            if bin_dir is not None:
+                runners[f"llama.cpp {label}"] = lambda gguf=gguf: llama_bench(
+                    bin_dir / "llama-bench", gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])
+            if ik_llama_bench:
+                runners[f"ik_llama.cpp {label}"] = lambda gguf=gguf: llama_bench(
+                    Path(ik_llama_bench), gguf, prompt_counts, context_counts, new_tokens, threads, repeats,
+                    ["-rtr", "1"], depth_flag=False)
         for name, run in runners.items():
             rates = run()
             print(f"{name:>24}" + "".join(f"{rates[k]:>10.1f}" if k in rates else f"{'-':>10}" for k in keys), flush=True)

@@ -132,20 +132,23 @@ GGUF_TYPES = {"none": "F32", "int8": "Q8_0", "int4": "Q4_0"}
 
 
 def f32_gguf(bin_dir: Path, cache_dir: Path, threads: int, gguf_type: str = "F32",
-             source: Optional[Path] = None) -> Path:
+             source: Optional[Path] = None, output_type: Optional[str] = None) -> Path:
     """The default model as an F32 GGUF (or `gguf_type`: Q8_0, Q4_0, ...), made from the shipped Q4_1 file by
     llama.cpp's own quantizer, every tensor in that type: F32 holds exactly the dequantized values. `source`: another
-    GGUF to make it from (an F16 or F32 one, such as scripts/write_random_gguf.py's LLaMA-2 7B shapes)."""
+    GGUF to make it from (an F16 or F32 one, such as scripts/write_random_gguf.py's LLaMA-2 7B shapes);
+    `output_type`: the embedding and output layer in that type instead (q8_0, as `--quantize int4` keeps them)."""
     from llama.convert.fetch import default_model_gguf
 
     source = Path(source) if source is not None else default_model_gguf()
-    out = cache_dir / f"{source.stem.split('.')[0]}.{gguf_type}.gguf"
+    suffix = f"-{output_type}-output" if output_type else ""
+    out = cache_dir / f"{source.stem.split('.')[0]}.{gguf_type}{suffix}.gguf"
     if out == source:
         return out
     if not out.exists():
         partial = out.with_suffix(".partial")
-        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--pure", str(source), str(partial),
-                        gguf_type, str(threads)], check=True, stdout=subprocess.DEVNULL)
+        output = ["--token-embedding-type", output_type, "--output-tensor-type", output_type] if output_type else []
+        subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", "--pure", *output, str(source),
+                        str(partial), gguf_type, str(threads)], check=True, capture_output=True)
         partial.rename(out)
     return out
 
