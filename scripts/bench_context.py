@@ -35,6 +35,7 @@ decodes on a machine doing other work, as a laptop or a shared server is. `--bus
 into --cache_dir; ours reads the F32 one and quantizes it with --quantize.
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -145,6 +146,17 @@ def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int
     return rates
 
 
+@contextlib.contextmanager
+def busy_processes(n: int):
+    """`n` other processes kept busy (a Python loop each, at this one's priority) while the block runs."""
+    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in load:
+            proc.kill()
+
+
 def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128, quantize="none,int8,int4",
          kv_cache_dtype="auto", threads: int = 2, repeats: int = 2, llamacpp: bool = True,
          ik_llama_bench: Optional[str] = None, model: Optional[str] = None, cache_dir: Optional[str] = None,
@@ -164,46 +176,38 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
                          "drop --nollamacpp or name --ik_llama_bench")
     ours_model = f32_gguf(quantizer_dir, cache, threads, "F32", source) if source is not None else None
     keys = [f"pp {n}" for n in prompt_counts] + [f"tg {n}" for n in context_counts]
-    load = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
-    try:
-        _measure(quantize, kv_cache_dtype, threads, repeats, prompt_counts, context_counts, new_tokens, keys, cache,
-                 bin_dir, quantizer_dir, source, ours_model, ik_llama_bench, busy)
-    finally:
-        for proc in load:
-            proc.kill()
-
-
-def _measure(quantize, kv_cache_dtype, threads, repeats, prompt_counts, context_counts, new_tokens, keys, cache,
-             bin_dir, quantizer_dir, source, ours_model, ik_llama_bench, busy):
-    bandwidth = memory_bandwidth()
-    print(f"{ours_model or 'the default model'}: tokens/s, {threads} threads; pp N: a prompt of N tokens; "
-          f"tg N: {new_tokens} tokens after N of context" + (f"; {busy} busy processes running beside" if busy else ""))
-    print(f"memory, {threads} threads: read {bandwidth['read']:.1f} GB/s (1 GiB summed), copy {bandwidth['copy']:.1f} "
-          "GB/s (1 GiB copied, bytes read and written)")
-    print(f"{'':>24}" + "".join(f"{k:>10}" for k in keys))
-    for q in _list(quantize):
-        runners = {}
-        for kv in _list(kv_cache_dtype):
-            name = f"llama-kv {q}" + ("" if kv == "auto" else f" kv {kv}")
-            runners[name] = lambda q=q, kv=kv: ours(q, prompt_counts, context_counts, new_tokens, repeats, kv,
-                                                    ours_model)
-        for gguf_type, output_type in THEIR_TYPES[q] if quantizer_dir is not None else []:
-            gguf = f32_gguf(quantizer_dir, cache, threads, gguf_type, source, output_type)
-            label = gguf_type + (f" ({output_type.upper()} output)" if output_type else "")
-            if bin_dir is not None:
-                runners[f"llama.cpp {label}"] = lambda gguf=gguf: llama_bench(
-                    bin_dir / "llama-bench", gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])
-            if ik_llama_bench:
-                runners[f"ik_llama.cpp {label}"] = lambda gguf=gguf: llama_bench(
-                    Path(ik_llama_bench), gguf, prompt_counts, context_counts, new_tokens, threads, repeats,
-                    ["-rtr", "1"], depth_flag=False)
-        for name, run in runners.items():
-            rates = run()
-            print(f"{name:>24}" + "".join(f"{rates[k]:>10.1f}" if k in rates else f"{'-':>10}" for k in keys), flush=True)
-            if "weight bytes" in rates and "tg 0" in rates:  # ours: what its decode reads a second
-                read = rates["weight bytes"] * rates["tg 0"] / 1e9
-                print(f"{'':>24}  weights {rates['weight bytes'] / 1e6:.1f} MB a token; at tg 0 {read:.1f} GB/s, "
-                      f"{read / bandwidth['read']:.0%} of the read rate", flush=True)
+    with busy_processes(busy):
+        bandwidth = memory_bandwidth()
+        print(f"{ours_model or 'the default model'}: tokens/s, {threads} threads; pp N: a prompt of N tokens; "
+              f"tg N: {new_tokens} tokens after N of context"
+              + (f"; {busy} busy processes running beside" if busy else ""))
+        print(f"memory, {threads} threads: read {bandwidth['read']:.1f} GB/s (1 GiB summed), "
+              f"copy {bandwidth['copy']:.1f} GB/s (1 GiB copied, bytes read and written)")
+        print(f"{'':>24}" + "".join(f"{k:>10}" for k in keys))
+        for q in _list(quantize):
+            runners = {}
+            for kv in _list(kv_cache_dtype):
+                name = f"llama-kv {q}" + ("" if kv == "auto" else f" kv {kv}")
+                runners[name] = lambda q=q, kv=kv: ours(q, prompt_counts, context_counts, new_tokens, repeats, kv,
+                                                        ours_model)
+            for gguf_type, output_type in THEIR_TYPES[q] if quantizer_dir is not None else []:
+                gguf = f32_gguf(quantizer_dir, cache, threads, gguf_type, source, output_type)
+                label = gguf_type + (f" ({output_type.upper()} output)" if output_type else "")
+                if bin_dir is not None:
+                    runners[f"llama.cpp {label}"] = lambda gguf=gguf: llama_bench(
+                        bin_dir / "llama-bench", gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])
+                if ik_llama_bench:
+                    runners[f"ik_llama.cpp {label}"] = lambda gguf=gguf: llama_bench(
+                        Path(ik_llama_bench), gguf, prompt_counts, context_counts, new_tokens, threads, repeats,
+                        ["-rtr", "1"], depth_flag=False)
+            for name, run in runners.items():
+                rates = run()
+                print(f"{name:>24}" + "".join(f"{rates[k]:>10.1f}" if k in rates else f"{'-':>10}" for k in keys),
+                      flush=True)
+                if "weight bytes" in rates and "tg 0" in rates:  # ours: what its decode reads a second
+                    read = rates["weight bytes"] * rates["tg 0"] / 1e9
+                    print(f"{'':>24}  weights {rates['weight bytes'] / 1e6:.1f} MB a token; at tg 0 {read:.1f} GB/s, "
+                          f"{read / bandwidth['read']:.0%} of the read rate", flush=True)
 
 
 if __name__ == "__main__":
