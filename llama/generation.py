@@ -6,7 +6,7 @@ same logits; the cache only saves the work of recomputing keys and values of pos
 """
 
 import gc
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Set, Tuple, TypedDict, Union
 
@@ -23,6 +23,7 @@ from llama.nn.session import Session
 from llama.run_plan import ModelFlags
 from llama.runtime.devices import check_fits
 from llama.runtime.progress import Progress
+from llama.runtime.threads import StepThreads
 from llama.sampling import (  # noqa: F401 (Meta's names, here too)
     SamplingControls, apply_controls, check_controls, check_finite, check_sampling, logprobs_of, sample, sample_top_p,
 )
@@ -68,16 +69,18 @@ def feed_in_chunks(forward: Callable[..., torch.Tensor], tokens: torch.Tensor, p
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a decode loop, and back as it was after: each step's few objects
-    set off collections that walk every object torch and the model hold, a cost paid every token where the
-    caller has not frozen them as the commands do (gc.freeze()). Whatever a loop leaves in cycles is collected
-    after it, as usual."""
+def _decoding(threads: Optional[StepThreads]) -> Iterator[None]:
+    """Around a decode loop: Python's cyclic garbage collector off, and back as it was after (each step's few
+    objects set off collections that walk every object torch and the model hold, a cost paid every token where the
+    caller has not frozen them as the commands do with gc.freeze(); whatever a loop leaves in cycles is collected
+    after it, as usual); and torch's thread count as it was, where `threads` moved it."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if threads is not None:
+            threads.close()
         if enabled:
             gc.enable()
 
@@ -193,6 +196,9 @@ class Llama:
         loaded = load(flags, progress)
         llama = Llama(loaded.model, loaded.tokenizer, seed=flags.seed, info=loaded.info)
         llama.compiled_step = loaded.step
+        if loaded.info.plan is not None and loaded.info.plan.adapt_threads:
+            threads = StepThreads()
+            llama.step_threads = threads if threads.works else None
         return llama
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer, seed: int = 1, info: Optional[LoadInfo] = None):
@@ -202,6 +208,9 @@ class Llama:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.info = info if info is not None else LoadInfo()
         self.compiled_step: Optional[CompiledStep] = None  # set by build(compile=True): runs the steps after the prompt
+        # Moves the threads of the steps after the prompt with the cores they get (llama/runtime/threads.py); set by
+        # build where the plan says no result depends on the thread count.
+        self.step_threads: Optional[StepThreads] = None
         self.last_kv_cache_bytes = 0
         self.last_speculation = SpeculationStats()  # what the last generate() call's speculation did
 
@@ -304,7 +313,7 @@ class Llama:
         if speculate is not None:
             speculation = Speculation(draft_tokens, new_drafter(speculate))
             if min_prompt_len < total_len:
-                with _collector_paused():
+                with _decoding(self.step_threads if kv_cache else None):
                     filled, prev_pos = speculation.decode(
                         tokens, min_prompt_len, prev_pos, total_len,
                         lambda start, end, n, first: self._forward(tokens, start, end, cache, True, n, first),
@@ -312,7 +321,7 @@ class Llama:
                         temperature, top_p, self.generator, set(stop_list), token_logprobs, on_step)
             self.last_speculation = speculation.stats
         else:
-            with _collector_paused():
+            with _decoding(self.step_threads if kv_cache else None):
                 for cur_pos in range(min_prompt_len, total_len):
                     # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
                     logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
@@ -386,12 +395,14 @@ class Llama:
         # position 1 (after a one-token prompt), which the compiled step would specialise on and compile anew.
         eager = first or (kv_cache and prev_pos < 2)
         forward = self.compiled_step if self.compiled_step is not None and not eager else self.model
-        if kv_cache and forward is self.model:
-            logits = feed_in_chunks(forward, tokens, prev_pos, cur_pos, cache, num_logits)
-        elif kv_cache:  # the compiled step: one token, or a draft to verify, in the shape it was built for
-            logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
-        else:
-            logits = forward(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
+        timed = self.step_threads if kv_cache and not first and self.step_threads is not None else nullcontext()
+        with timed:
+            if kv_cache and forward is self.model:
+                logits = feed_in_chunks(forward, tokens, prev_pos, cur_pos, cache, num_logits)
+            elif kv_cache:  # the compiled step: one token, or a draft to verify, in the shape it was built for
+                logits = forward(tokens[:, prev_pos:cur_pos], prev_pos, cache, num_logits=num_logits)
+            else:
+                logits = forward(tokens[:, :cur_pos], 0, None, num_logits=num_logits)
         check_finite(logits[:, -1], cur_pos - 1)
         return logits
 

@@ -90,6 +90,8 @@ class RunPlan:
     compile_batch_size: int = 1
     kernels: Kernels = Kernels()  # the kernels the layer plan may choose
     needs_kernels: bool = False  # the plan would use llama/kernels: loaded before the weights are
+    adapt_threads: bool = False  # decode steps' threads follow the cores they get (llama/runtime/threads.py): every
+    # product, attention and norm of the step is one of llama/kernels', whose rows do not depend on the thread count
     notes: Tuple[str, ...] = ()  # what the user should hear of
 
     @property
@@ -152,6 +154,7 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     # Keys and values rounded to int8: every float32 product row-exact too, so that the cached and uncached passes,
     # which compute a key among different rows, round it alike (llama/quant/linears.py, RowExactLinear).
     row_exact_float = row_exact_floats(kv_dtype == torch.int8, facts.dtype, cpu, facts.kernels)
+    adapt_threads = float32 and facts.world_size == 1 and facts.kernels.ours and (compiled_layers or row_exact_float)
     if not compile:
         step = "eager"
     elif facts.stored_step:
@@ -163,5 +166,5 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     return RunPlan(facts.device, facts.world_size, facts.dtype, kv_dtype, dict(facts.quant), integer, row_exact_float,
                    compiled_layers, step, strict=compile and not auto,
                    compile_batch_size=flags.compile_batch_size, kernels=facts.kernels, needs_kernels=needs_kernels,
-                   notes=tuple(notes))
+                   adapt_threads=adapt_threads, notes=tuple(notes))
 

@@ -73,6 +73,18 @@ def test_an_int8_cache_makes_float32_products_row_exact_where_the_kernels_are():
     assert not plan_run(flags(), facts()).row_exact_float
 
 
+def test_decode_threads_follow_their_cores_only_where_the_kernels_carry_every_step():
+    """On the CPU kernels no row depends on the thread count; torch's own attention sums by threads."""
+    assert plan_run(flags(), facts()).adapt_threads  # the default mode
+    assert plan_run(flags(), facts(quant=INT8)).adapt_threads
+    assert plan_run(flags(compile=False, kv_cache_dtype="int8"), facts()).adapt_threads  # row-exact products
+    assert not plan_run(flags(compile=False), facts()).adapt_threads  # the eager reference: torch's products
+    assert not plan_run(flags(), facts(kernels=Kernels())).adapt_threads
+    assert not plan_run(flags(), facts(dtype=torch.bfloat16)).adapt_threads
+    assert not plan_run(flags(), facts(world_size=2)).adapt_threads
+    assert not plan_run(flags(), facts(device=CUDA, stored_step=False)).adapt_threads
+
+
 @pytest.mark.parametrize("bad, message", [(dict(quant_kernels="fast"), "quant_kernels=fast"),
                                           (dict(kv_cache_dtype="int4"), "kv_cache_dtype=int4"),
                                           (dict(compile="yes"), "compile must be"),

@@ -20,6 +20,7 @@ import torch
 
 from llama import Llama, kernels
 from llama.convert.fetch import default_model_dir
+from llama.runtime import threads
 
 pytestmark = pytest.mark.slow
 
@@ -104,6 +105,24 @@ def test_cache_on_and_off_give_the_same_answer_in_the_default_mode(llama):
     integer = llama.info.quant_kernels == "integer"
     assert integer == (llama.info.quantization is not None)  # the quantized models run on the integer kernels
     _each_alone_against_one_uncached_batch(llama, 0.0 if integer else FLOAT32_BOUND)
+
+
+def test_a_step_on_one_thread_or_two_gives_the_same_bits(llama, monkeypatch):
+    """The default mode moves the decode step's threads with the cores they get (llama/runtime/threads.py). Switched
+    between one and two at every step, the tokens and log-probabilities are those of steps on two throughout."""
+    assert llama.step_threads is not None and torch.get_num_threads() == 2
+    ids = llama.tokenizer.encode(PROMPTS[1], bos=True, eos=False)
+    llama.step_threads.now = 2
+    monkeypatch.setattr(threads, "choose_threads", lambda now, most, *_: most)
+    tokens, logprobs = _greedy(llama, ids, kv_cache=True)
+    monkeypatch.setattr(threads, "WINDOW_S", 0.0)
+    monkeypatch.setattr(threads, "choose_threads", lambda now, most, *_: 1 if now == most else most)
+    changes = len(llama.step_threads.changes)
+    switched, switched_logprobs = _greedy(llama, ids, kv_cache=True)
+    assert len(llama.step_threads.changes) - changes >= TOKENS - 2  # every step after the prompt's
+    assert switched == tokens
+    assert torch.equal(switched_logprobs, logprobs), (switched_logprobs - logprobs).abs().max().item()
+    assert torch.get_num_threads() == 2  # the caller's count back after the decode
 
 
 def test_an_int8_kv_cache_keeps_the_switch_exact_on_float32_weights():

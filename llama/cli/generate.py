@@ -19,6 +19,7 @@ from llama.kv_cache import describe_kv_cache
 from llama.io.prompt_cache import PromptCacheError, check_writable, load_prompt_cache, restore, save_prompt_cache
 from llama.nn.session import Session
 from llama.run_plan import ModelFlags
+from llama.runtime.threads import describe_threads
 
 
 def read_prompts(prompt: Optional[str], prompts_file: Optional[str]) -> List[str]:
@@ -226,6 +227,7 @@ def main(
             + (f"on ({describe_kv_cache(llama.model.kv_cache_dtype, llama.model.kv_cache_nbytes(1, 1))})"
                if not no_kv_cache else "off"),
             f"device:          {llama.device}",
+            f"threads:         {describe_threads(llama.step_threads)}",
             f"run plan:        {llama.info.plan.describe()}",
             f"compiled:        {f'yes ({llama.compiled_step.describe_origin()}), in {llama.info.compile_seconds:.2f} s' if llama.compiled_step else 'no'}",
             f"weights:         {llama.info.quantization or str(llama.model.dtype).removeprefix('torch.')}"

@@ -20,6 +20,7 @@ import json
 import logging
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -41,6 +42,10 @@ from llama.runtime.progress import Progress, or_silent, step
 # Caches of every length from 2 positions up share one package; generate() never decodes with a shorter one.
 _MIN_CACHE, _MAX_CACHE = 2, 1 << 20
 _BUILDING = threading.Lock()  # held while a package is exported and compiled
+# Python's switch interval while a step is built, on a background thread beside the eager steps: export is Python
+# that lets go of the GIL only when made to, and an eager step takes the GIL back hundreds of times, waiting up to
+# the interval each time (docs/benchmarks.md, "Figures behind the code", has what it costs and gains).
+BUILD_SWITCH_INTERVAL_S = 2e-5
 # The most tokens one step that verifies a speculative draft feeds (llama/speculative.py): its packages are one per count.
 MAX_VERIFY_TOKENS = 17
 
@@ -287,7 +292,12 @@ class _StoredSteps:
         at a time in a process (two models' steps, a draft model's beside the model's, would otherwise be exported
         at once, and torch's export is not safe to run on two threads)."""
         with _BUILDING:
-            self._build_now(directory, fields, args, dynamic_shapes, what, progress)
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, BUILD_SWITCH_INTERVAL_S))
+            try:
+                self._build_now(directory, fields, args, dynamic_shapes, what, progress)
+            finally:
+                sys.setswitchinterval(interval)
 
     def _build_now(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str,
                    progress: Optional[Progress] = None) -> None:

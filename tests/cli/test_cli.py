@@ -81,6 +81,7 @@ def test_stats_reports_prefill_decode_and_cache_bytes(gqa_ckpt):
     # Keys and values of 2 layers x 2 KV heads x 8 dimensions, in float32: 2 * 2 * 2 * 8 * 4 bytes a token.
     assert "kv cache:        on (float32, 256 bytes a token)\n" in cached.stderr
     assert "kv cache:        off\n" in uncached.stderr
+    assert re.search(r"^threads: +1$", cached.stderr, re.M), cached.stderr  # OMP_NUM_THREADS=1 (tests/helpers.py)
 
 
 @pytest.mark.slow
