@@ -5,6 +5,8 @@ import functools
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, Optional
@@ -97,8 +99,26 @@ def used(device: torch.device) -> bool:
 def package_loader(package: Path):
     """The package's loader from torch's C++ runtime, without importing Inductor (a second of every start-up)."""
     try:
-        return torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
     except TypeError:  # another torch, another constructor: its Python wrapper knows it
         from torch._inductor.package import load_package
 
-        return load_package(str(package)).loader
+        loader = load_package(str(package)).loader
+    _remove_extracted()
+    return loader
+
+
+def _remove_extracted(maps: str = "/proc/self/maps") -> None:
+    """Remove the directories the loader extracted its package into (aotinductor_* in the temporary directory,
+    4 MB for the default model's step), which torch leaves behind at every load. Only those whose library this
+    process has mapped: loaded, so no longer needed on disk (Linux keeps a mapped file until it is unmapped)."""
+    try:
+        with open(maps) as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "aotinductor_" in line}
+    except OSError:  # not Linux: left as torch leaves them
+        return
+    temp = Path(tempfile.gettempdir()).resolve()
+    for path in map(Path, paths):
+        extracted = next((p for p in path.parents if p.parent == temp and p.name.startswith("aotinductor_")), None)
+        if extracted is not None:
+            shutil.rmtree(extracted, ignore_errors=True)
