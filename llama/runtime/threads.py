@@ -8,13 +8,13 @@ the steps' wall time falls short of the thread count), back up when the machine 
 
 It changes speed only where no result depends on the thread count: the CPU kernels' products, attention and norms
 compute each row in one fixed order whatever the threads (llama/kernels), so the plan turns it on only where they
-carry the step (`RunPlan.adapt_threads`; tests/test_threads.py checks the tokens and logprobs stay the same bits).
-Linux only (the idle cores come from /proc/stat); elsewhere the thread count stays as set.
+carry the step (`RunPlan.adapt_threads`; tests/test_switch_exact.py checks that the tokens and log-probabilities
+stay the same bits). Linux only (the idle cores come from /proc/stat); elsewhere the thread count stays as set.
 """
 
 import os
-from time import perf_counter, process_time
 from collections import Counter
+from time import perf_counter, process_time
 from typing import Callable, List, Optional
 
 import torch
