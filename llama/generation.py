@@ -73,7 +73,8 @@ def _decoding(threads: Optional[StepThreads]) -> Iterator[None]:
     """Around a decode loop: Python's cyclic garbage collector off, and back as it was after (each step's few
     objects set off collections that walk every object torch and the model hold, a cost paid every token where the
     caller has not frozen them as the commands do with gc.freeze(); whatever a loop leaves in cycles is collected
-    after it, as usual); and torch's thread count as it was, where `threads` moved it."""
+    after it, as usual); and torch's thread count as it was, where `threads` moved it (a no-op where no step was
+    timed, as without the cache)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -313,7 +314,7 @@ class Llama:
         if speculate is not None:
             speculation = Speculation(draft_tokens, new_drafter(speculate))
             if min_prompt_len < total_len:
-                with _decoding(self.step_threads if kv_cache else None):
+                with _decoding(self.step_threads):
                     filled, prev_pos = speculation.decode(
                         tokens, min_prompt_len, prev_pos, total_len,
                         lambda start, end, n, first: self._forward(tokens, start, end, cache, True, n, first),
@@ -321,7 +322,7 @@ class Llama:
                         temperature, top_p, self.generator, set(stop_list), token_logprobs, on_step)
             self.last_speculation = speculation.stats
         else:
-            with _decoding(self.step_threads if kv_cache else None):
+            with _decoding(self.step_threads):
                 for cur_pos in range(min_prompt_len, total_len):
                     # Logits for positions prev_pos .. cur_pos - 1, either way; only the last unless logprobs are wanted.
                     logits = self._forward(tokens, prev_pos, cur_pos, cache, kv_cache, num_logits=cur_pos - prev_pos if logprobs else 1,
