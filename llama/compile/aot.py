@@ -348,6 +348,7 @@ class AheadOfTimeStep(_StoredSteps):
 
     def __init__(self, model: Transformer, progress: Optional[Progress] = None):
         super().__init__(model, _DecodeStep(model), model.kv_cache_dtype, progress)
+        self._last_inputs = None  # (batch size, the cache's tensors, the inputs made of them)
 
     @staticmethod
     def size_of(tokens: torch.Tensor):
@@ -358,9 +359,7 @@ class AheadOfTimeStep(_StoredSteps):
         bsz, seqlen = tokens.shape
         shape_fits = ((seqlen == 1 and num_logits in (None, 1))
                       or (bsz == 1 and 1 < seqlen <= MAX_VERIFY_TOKENS and num_logits in (None, seqlen)))
-        return (cache is not None and shape_fits
-                and all(type(c) is KVCache and c.dtype == self.kv_dtype and c.cache_k.is_contiguous()
-                        and c.cache_v.is_contiguous() for c in cache)
+        return (cache is not None and shape_fits and self._cache_inputs(cache, bsz) is not None
                 and cache[0].max_seq_len >= max(_MIN_CACHE, seqlen + 1))
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: List[KVCache], num_logits: Optional[int] = None,
@@ -368,10 +367,27 @@ class AheadOfTimeStep(_StoredSteps):
         bsz, seqlen = tokens.shape
         runner = runner or self.runner(self.size_of(tokens))
         input_pos = torch.arange(start_pos, start_pos + seqlen, device=tokens.device).expand(bsz, seqlen)
-        kv = [t for c in cache for t in (c.cache_k[:bsz], c.cache_v[:bsz])]
         # The package reads its inputs with the strides it was compiled for, unchecked: contiguous ones. generate()
         # feeds a column of its token buffer, whose rows lie a whole buffer row apart.
-        return runner(tokens.contiguous(), input_pos.contiguous(), kv)
+        return runner(tokens.contiguous(), input_pos.contiguous(), self._cache_inputs(cache, bsz))
+
+    def _cache_inputs(self, cache, bsz: int) -> Optional[List[torch.Tensor]]:
+        """The package's cache inputs, each layer's keys and values of the first `bsz` rows; None where the package
+        cannot read `cache` (another cache class or dtype, strides it was not built for). Kept from the last call
+        while the cache holds the same tensors, as a decode's steps do: working them out again cost 0.5 ms a step,
+        6% of an int8 step of the default model."""
+        if not all(type(c) is KVCache for c in cache):
+            return None
+        tensors = [t for c in cache for t in (c._buffers["cache_k"], c._buffers["cache_v"])]
+        last = self._last_inputs
+        if last is not None and last[0] == bsz and len(last[1]) == len(tensors) \
+                and all(a is b for a, b in zip(last[1], tensors)):
+            return last[2]
+        if not all(t.is_contiguous() and (i % 2 or t.dtype == self.kv_dtype) for i, t in enumerate(tensors)):
+            return None
+        inputs = [t[:bsz] for t in tensors]
+        self._last_inputs = (bsz, tensors, inputs)
+        return inputs
 
     def _place(self, size):
         if not isinstance(size, tuple):

@@ -42,14 +42,18 @@ def _tokens(llama, prompts):
 def test_compiled_step_logits_equal_eager_at_every_position(eager, compiled):
     # Few-row float32 products on llama_kv.f32_linear wherever the kernels build (tests/kernels/test_f32_rows.py).
     assert type(compiled.model.layers[0].attention.wq) is (RowsLinear if missing() is None else ReductionLinear)
-    tokens = torch.randint(0, eager.model.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    # Two sequences, their steps taken in turn, each in its own cache: the step must read the cache it is handed,
+    # though it keeps what it made of the last one.
+    tokens = torch.randint(0, eager.model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         full = eager.model(tokens)  # one uncached eager pass: the reference for every position
-        cache = compiled.model.new_kv_cache(1, 48)
-        compiled.model(tokens[:, :3], 0, cache)
+        caches = [compiled.model.new_kv_cache(1, 48) for _ in range(2)]
+        for row, cache in enumerate(caches):
+            compiled.model(tokens[row : row + 1, :3], 0, cache)
         for pos in range(3, 40):
-            logits = compiled.compiled_step(tokens[:, pos : pos + 1], pos, cache, num_logits=1)
-            torch.testing.assert_close(logits[:, 0], full[:, pos], rtol=0, atol=1e-5)
+            for row, cache in enumerate(caches):
+                logits = compiled.compiled_step(tokens[row : row + 1, pos : pos + 1], pos, cache, num_logits=1)
+                torch.testing.assert_close(logits[:, 0], full[row : row + 1, pos], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no-cache"])
