@@ -374,8 +374,8 @@ class AheadOfTimeStep(_StoredSteps):
     def _cache_inputs(self, cache, bsz: int) -> Optional[List[torch.Tensor]]:
         """The package's cache inputs, each layer's keys and values of the first `bsz` rows; None where the package
         cannot read `cache` (another cache class or dtype, strides it was not built for). Kept from the last call
-        while the cache holds the same tensors, as a decode's steps do: working them out again cost 0.5 ms a step,
-        6% of an int8 step of the default model."""
+        while the cache holds the same tensors, as a decode's steps do: working them out at every step cost a
+        share of a short step (docs/benchmarks.md, "Figures behind the code")."""
         if not all(type(c) is KVCache for c in cache):
             return None
         tensors = [t for c in cache for t in (c._buffers["cache_k"], c._buffers["cache_v"])]
