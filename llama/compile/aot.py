@@ -348,7 +348,6 @@ class AheadOfTimeStep(_StoredSteps):
 
     def __init__(self, model: Transformer, progress: Optional[Progress] = None):
         super().__init__(model, _DecodeStep(model), model.kv_cache_dtype, progress)
-        self._last_inputs = None  # (batch size, the cache's tensors, the inputs made of them)
 
     @staticmethod
     def size_of(tokens: torch.Tensor):
@@ -376,17 +375,19 @@ class AheadOfTimeStep(_StoredSteps):
         cannot read `cache` (another cache class or dtype, strides it was not built for). Kept from the last call
         while the cache holds the same tensors, as a decode's steps do: working them out at every step cost a
         share of a short step (docs/benchmarks.md, "Figures behind the code")."""
-        if not all(type(c) is KVCache for c in cache):
+        if not cache or not all(type(c) is KVCache for c in cache):
             return None
         tensors = [t for c in cache for t in (c._buffers["cache_k"], c._buffers["cache_v"])]
-        last = self._last_inputs
-        if last is not None and last[0] == bsz and len(last[1]) == len(tensors) \
-                and all(a is b for a, b in zip(last[1], tensors)):
-            return last[2]
+        # Kept on the cache's first layer, so that it goes when the cache goes (a step that held it would keep a
+        # finished decode's cache in memory while the next one allocates its own).
+        kept = cache[0].__dict__.get("_step_inputs")
+        if kept is not None and kept[0] == (bsz, self.kv_dtype) and len(kept[1]) == len(tensors) \
+                and all(a is b for a, b in zip(kept[1], tensors)):
+            return kept[2]
         if not all(t.is_contiguous() and (i % 2 or t.dtype == self.kv_dtype) for i, t in enumerate(tensors)):
             return None
         inputs = [t[:bsz] for t in tensors]
-        self._last_inputs = (bsz, tensors, inputs)
+        cache[0].__dict__["_step_inputs"] = ((bsz, self.kv_dtype), tensors, inputs)
         return inputs
 
     def _place(self, size):

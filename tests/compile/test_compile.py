@@ -3,11 +3,13 @@
 Inductor needs a C++ compiler on the CPU; without one these tests skip (as the CUDA tests do without a GPU).
 """
 
+import gc
 import importlib
 import json
 import os
 import re
 import shutil
+import weakref
 
 import pytest
 import torch
@@ -68,6 +70,22 @@ def test_compiled_generation_equals_eager(eager, compiled, kv_cache, prompts):
     assert all(len(t) == 40 for t in got)
     for a, b in zip(got_lp, want_lp):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+
+
+def test_a_finished_decode_leaves_its_cache_to_be_freed(compiled, monkeypatch):
+    """The stored step keeps what it made of a cache for the next step; a finished decode's cache must still be freed,
+    not held until the next decode has allocated its own."""
+    made, new_kv_cache = [], compiled.model.new_kv_cache
+
+    def recording(*args, **kwargs):
+        cache = new_kv_cache(*args, **kwargs)
+        made.extend(weakref.ref(t) for c in cache for t in (c.cache_k, c.cache_v))
+        return cache
+
+    monkeypatch.setattr(compiled.model, "new_kv_cache", recording)
+    (tokens,), _ = compiled.generate([_tokens(compiled, PROMPTS[:1])[0]], 6, temperature=0, ignore_stop=True)
+    gc.collect()
+    assert len(tokens) == 6 and made and all(ref() is None for ref in made)
 
 
 def test_later_calls_compile_nothing(compiled):
