@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -348,6 +349,9 @@ class AheadOfTimeStep(_StoredSteps):
 
     def __init__(self, model: Transformer, progress: Optional[Progress] = None):
         super().__init__(model, _DecodeStep(model), model.kv_cache_dtype, progress)
+        # `_cache_inputs`' last result for a cache, by the cache's first layer: weakly, so that a finished decode's
+        # cache is freed when its caller lets go of it, not held until the next decode has allocated its own.
+        self._kept_inputs: "weakref.WeakKeyDictionary[KVCache, tuple]" = weakref.WeakKeyDictionary()
 
     @staticmethod
     def size_of(tokens: torch.Tensor):
@@ -378,16 +382,14 @@ class AheadOfTimeStep(_StoredSteps):
         if not cache or not all(type(c) is KVCache for c in cache):
             return None
         tensors = [t for c in cache for t in (c._buffers["cache_k"], c._buffers["cache_v"])]
-        # Kept on the cache's first layer, so that it goes when the cache goes (a step that held it would keep a
-        # finished decode's cache in memory while the next one allocates its own).
-        kept = cache[0].__dict__.get("_step_inputs")
-        if kept is not None and kept[0] == (bsz, self.kv_dtype) and len(kept[1]) == len(tensors) \
+        kept = self._kept_inputs.get(cache[0])
+        if kept is not None and kept[0] == bsz and len(kept[1]) == len(tensors) \
                 and all(a is b for a, b in zip(kept[1], tensors)):
             return kept[2]
         if not all(t.is_contiguous() and (i % 2 or t.dtype == self.kv_dtype) for i, t in enumerate(tensors)):
             return None
         inputs = [t[:bsz] for t in tensors]
-        cache[0].__dict__["_step_inputs"] = ((bsz, self.kv_dtype), tensors, inputs)
+        self._kept_inputs[cache[0]] = (bsz, tensors, inputs)
         return inputs
 
     def _place(self, size):
