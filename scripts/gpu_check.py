@@ -124,7 +124,9 @@ def run_tests(json_path: Path, dry_run: bool) -> bool:
         selection = ["-m", "cuda"]
     with tempfile.TemporaryDirectory() as tmp:
         xml_file = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", f"--junitxml={xml_file}", *selection]
+        # In one process (no pyproject.toml addopts, whose -n asks for pytest-xdist): the tests share one GPU, and
+        # the GPU machine has pytest alone.
+        cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-rfEs", f"--junitxml={xml_file}", *selection]
         say("pytest " + " ".join(selection))
         start = time.perf_counter()
         status = subprocess.run(cmd, cwd=REPO).returncode
