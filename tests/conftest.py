@@ -33,18 +33,6 @@ def pytest_configure(config):
         os.environ["LLAMA_COMPILED_DIR"] = str(cache.mkdir("llama-compiled") if cache else tempfile.mkdtemp())
 
 
-# The longest files, each a worker's whole share for minutes (`--dist loadfile`, pyproject.toml): first, so that the
-# other workers take the many short files beside them instead of idling while one of these runs last.
-LONGEST_FIRST = ["test_switch_exact.py", "compile/test_compile.py", "server/test_engine.py", "server/test_structured.py",
-                 "cli/test_cli.py", "quant/test_quantize_real.py", "quant/test_quantize_loading.py"]
-
-
-def pytest_collection_modifyitems(config, items):
-    tests = Path(__file__).parent
-    rank = {tests / name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: each file keeps its own order
-
-
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker for each core this process may run on, at most 4 (each holds a model or two and runs torch
     on two threads); PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as without this hook."""
