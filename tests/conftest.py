@@ -35,9 +35,9 @@ def pytest_configure(config):
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: a worker for each core this process may run on, at most 4 (each holds a model or two and runs torch
-    on two threads); PYTEST_XDIST_AUTO_NUM_WORKERS overrides, as without this hook."""
+    on two threads). With PYTEST_XDIST_AUTO_NUM_WORKERS set, pytest-xdist's own hook reads it."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+        return None
     return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
