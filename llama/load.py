@@ -52,7 +52,8 @@ class LoadInfo:
 def _make_step(model: Transformer, plan: RunPlan, progress: Optional[Progress], notes: List[str]) -> Optional[CompiledStep]:
     """The compiled step `plan` says, or None where compile="auto" finds none to be had (`notes` then says why)."""
     try:
-        step = compile_step(model, progress, eager_otherwise=not plan.strict, batch_size=plan.compile_batch_size)
+        step = compile_step(model, progress, eager_otherwise=not plan.strict, batch_size=plan.compile_batch_size,
+                            stored=plan.step == "stored")
     except CompileFailed as e:
         if plan.strict:
             raise

@@ -87,6 +87,8 @@ class RunPlan:
     step: str = "eager"  # one of STEPS: how the decode step with the cache runs
     strict: bool = False  # compile=True: every step compiled (by torch.compile where no package serves), a failure
     # an error; otherwise ("auto") the steps no stored package serves run eagerly, a failure a note
+    batched_step: str = "eager"  # one of STEPS: llama-server's step of many rows over a paged cache (compile_layers)
+    batched_strict: bool = False  # compile_layers=True: that step compiled, a failure an error; "auto": a note
     compile_batch_size: int = 1
     kernels: Kernels = Kernels()  # the kernels the layer plan may choose
     needs_kernels: bool = False  # the plan would use llama/kernels: loaded before the weights are
@@ -108,6 +110,9 @@ class RunPlan:
             parts.append(f"{self.quantization} on the {'integer kernels' if self.integer else 'exact paths'}")
         parts.append({"eager": "eager decode step", "stored": "stored compiled decode step",
                       "torch.compile": "decode step compiled by torch.compile"}[self.step])
+        if self.batched_step != "eager":
+            parts.append({"stored": "stored compiled batched step",
+                          "torch.compile": "batched step compiled by torch.compile"}[self.batched_step])
         if self.world_size > 1:
             parts.append(f"split across {self.world_size} processes")
         return ", ".join(parts)
@@ -123,9 +128,13 @@ def check_one_process(world_size: int) -> None:
 def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     """The run `flags` ask for on the machine and checkpoint `facts` describe (flags `checked` first).
 
+    `flags.compile_layers` (llama-server's) plans the layers for the server's batched step instead of the command's
+    step, and `batched_step` says how that step runs: "auto" from stored packages where they can be had, eagerly
+    elsewhere; True from stored packages on the CPU and by torch.compile elsewhere; always eagerly under torchrun.
+
     Raises:
-        LlamaError: the flags ask for what cannot run here (compile=True under torchrun, or over a KV cache in
-            another dtype where only torch.compile could compile it).
+        LlamaError: the flags ask for what cannot run here (compile=True or compile_layers=True under torchrun, or
+            either over a KV cache in another dtype where only torch.compile could compile it).
     """
     cpu = facts.device.type == "cpu"
     notes = list(facts.dtype_notes)
@@ -136,8 +145,12 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     if flags.compile_layers is None:
         compiled_layers = compile
     else:  # llama-server's step, which "auto" compiles only from stored packages
+        if flags.compile_layers is True:
+            check_one_process(facts.world_size)
         compiled_layers = facts.world_size == 1 and (
             flags.compile_layers is True or (flags.compile_layers == "auto" and facts.stored_step))
+        if flags.compile_layers == "auto" and facts.world_size == 1 and facts.stored_step_note is not None:
+            notes.append(facts.stored_step_note)
     kv_dtype = resolve_kv_cache_dtype(flags.kv_cache_dtype, facts.dtype)
     if kv_dtype != facts.dtype and compiled_layers and not facts.stored_step:
         notes.append(kv_cache_dtype_note(kv_dtype, explicit=(compile and not auto) or flags.compile_layers is True,
@@ -155,6 +168,9 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     # which compute a key among different rows, round it alike (llama/quant/linears.py, RowExactLinear).
     row_exact_float = row_exact_floats(kv_dtype == torch.int8, facts.dtype, cpu, facts.kernels)
     adapt_threads = float32 and facts.world_size == 1 and facts.kernels.ours and (compiled_layers or row_exact_float)
+    batched_step = "eager"
+    if flags.compile_layers is not None and compiled_layers:
+        batched_step = "stored" if facts.stored_step else "torch.compile"
     if not compile:
         step = "eager"
     elif facts.stored_step:
@@ -164,7 +180,8 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
         if auto and facts.stored_step_note is not None:
             notes.append(facts.stored_step_note)
     return RunPlan(facts.device, facts.world_size, facts.dtype, kv_dtype, dict(facts.quant), integer, row_exact_float,
-                   compiled_layers, step, strict=compile and not auto,
+                   compiled_layers, step, strict=compile and not auto, batched_step=batched_step,
+                   batched_strict=flags.compile_layers is True,
                    compile_batch_size=flags.compile_batch_size, kernels=facts.kernels, needs_kernels=needs_kernels,
                    adapt_threads=adapt_threads, notes=tuple(notes))
 

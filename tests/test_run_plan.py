@@ -43,6 +43,26 @@ def test_compile_true_compiles_every_step_and_is_refused_under_torchrun():
         plan_run(flags(compile=True), facts(world_size=2))
 
 
+def test_the_servers_batched_step_is_decided_in_the_plan_too():
+    """llama-server loads with compile=False and `compile_layers`: the plan says how its batched step runs, and the
+    server's runner asks nothing again."""
+    def server(layers, **machine):
+        return plan_run(flags(compile=False, compile_layers=layers), facts(**machine))
+
+    auto = server("auto")
+    assert (auto.batched_step, auto.batched_strict, auto.step, auto.compiled_layers) == ("stored", False, "eager", True)
+    assert "stored compiled batched step" in auto.describe()
+    assert server("auto", stored_step=False).batched_step == "eager"  # no packages here: the eager step serves
+    assert server("auto", world_size=2).batched_step == "eager"
+    gpu = server(True, device=CUDA, stored_step=False, dtype=torch.bfloat16)
+    assert (gpu.batched_step, gpu.batched_strict) == ("torch.compile", True)
+    assert server(False).batched_step == plan_run(flags(), facts()).batched_step == "eager"  # the commands' own
+    with pytest.raises(LlamaError, match="one process"):
+        server(True, world_size=2)
+    old_torch = replace(facts(stored_step=False), stored_step_note="the stored compiled step needs torch 2.13")
+    assert plan_run(flags(compile=False, compile_layers="auto"), old_torch).notes == (old_torch.stored_step_note,)
+
+
 def test_a_cache_in_another_dtype_without_stored_steps_runs_eagerly_with_a_note_or_is_refused():
     gpu = facts(device=CUDA, stored_step=False, dtype=torch.bfloat16)
     assert plan_run(flags(kv_cache_dtype="float32"), gpu).notes == ()  # auto compiles nothing on a GPU anyway

@@ -162,14 +162,15 @@ def main(
 
         check_disk_cache(not no_kv_cache, int(os.environ.get("WORLD_SIZE", "1")))
         prepare_directory(Path(kv_cache_dir).expanduser())
-    # The model plans its layers for the batched step; the step itself is the runner's to make.
+    # The run plan decides the batched step (compile_layers): the model's layers are planned for it, and the runner
+    # makes it.
     flags = replace(flags, max_seq_len=max_seq_len, max_batch_size=parallel, seed=1, compile=False,
                     compile_layers=compile if not no_kv_cache else False)
 
     def load():
         """This rank's Llama, as every command loads it."""
         llama = build_from_flags(flags)
-        if compile is True and llama.info.world_size == 1 and llama.model.device.type != "cpu" and not no_kv_cache:
+        if llama.info.plan.batched_step == "torch.compile":
             print("compiling the batched decode step (--compile) for 1, 2-4 and 5 or more rows: minutes the first "
                   "time, less once Inductor has it cached on disk", file=sys.stderr, flush=True)
         return llama
@@ -179,7 +180,7 @@ def main(
         return kv_cache_positions(kv_cache_size, per_position, parallel * max_seq_len)
 
     runner_settings = dict(parallel=parallel, kv_cache_size=kv_cache_tokens, block_size=block_size,
-                           kv_cache=not no_kv_cache, compile=compile)
+                           kv_cache=not no_kv_cache)
     if launched_rank() != 0:  # under torchrun: rank 0 serves, the others run its steps
         from llama.server.app import follow_steps
 

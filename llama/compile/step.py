@@ -97,10 +97,12 @@ class CompileFailed(LlamaError):
 class CompiledStep:
     """`model.forward` for the steps after the prompt, compiled; it shares the model's weights.
 
-    `ahead_of_time` runs the one-token cached steps on the CPU (None on a GPU); torch.compile runs the rest.
+    `ahead_of_time` runs the one-token cached steps from stored packages where `stored` (the run plan's step "stored":
+    on the CPU; None on a GPU); torch.compile runs the rest.
     """
 
-    def __init__(self, model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False):
+    def __init__(self, model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False,
+                 stored: bool = False):
         self.model = model
         self.eager_otherwise = eager_otherwise  # steps the package does not take run eagerly, not torch.compile'd
         self._compiled = None  # torch.compile's, made at its first use: making it imports Inductor (seconds)
@@ -110,7 +112,7 @@ class CompiledStep:
         # around a torch bug.
         self._cpp_wrapper = (model.device.type == "cpu"
                              and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
-        self.ahead_of_time = AheadOfTimeStep(model, progress) if store.used(model.device) else None
+        self.ahead_of_time = AheadOfTimeStep(model, progress) if stored else None
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]],
                  num_logits: Optional[int] = None) -> torch.Tensor:
@@ -208,7 +210,7 @@ def finish_background_builds() -> None:
 
 
 def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False,
-                 batch_size: int = 1) -> CompiledStep:
+                 batch_size: int = 1, stored: Optional[bool] = None) -> CompiledStep:
     """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
 
     The model should be loaded for it (`Llama.build(compile=...)`): its layers planned for a compiled step
@@ -219,12 +221,14 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
     first call.
 
     With `eager_otherwise` (compile="auto") nothing goes to torch.compile: the steps the package does not
-    take, and all of them where there is none (a GPU, layers it cannot hold), run eagerly.
+    take, and all of them where there is none (a GPU, layers it cannot hold), run eagerly. `stored`: whether the
+    one-token step comes from stored packages, as the run plan decided (`RunPlan.step`); None: wherever they can be
+    used here (llama/compile/store.py `used`).
 
     Raises:
         CompileFailed: the step could not be compiled (on the CPU it needs a C++ compiler).
     """
-    step = CompiledStep(model, progress, eager_otherwise)
+    step = CompiledStep(model, progress, eager_otherwise, store.used(model.device) if stored is None else stored)
     try:
         if step.ahead_of_time is not None:
             try:
@@ -263,11 +267,12 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
 _WARM_UP = ((1, 3), (2, 3), (5, 4))
 
 
-def compile_paged_step(model: Transformer, cache: PagedKVCache, mode: Union[bool, str] = "auto", max_rows: int = 16,
+def compile_paged_step(model: Transformer, cache: PagedKVCache, step: str, strict: bool, max_rows: int = 16,
                        progress: Optional[Progress] = None) -> Tuple[Optional[Callable], List[str]]:
-    """llama-server's decode step (one token per row, rows at their own positions), compiled now: a function of plain
-    tensors (tokens, positions, block tables), and the notes the user should hear. With `mode` "auto" the step is
-    None where it cannot be had, and a note says why; with True it is compiled or this raises.
+    """llama-server's decode step (one token per row, rows at their own positions), compiled now as the run plan's
+    `batched_step` says ("stored" or "torch.compile", llama/run_plan.py): a function of plain tensors (tokens,
+    positions, block tables), and the notes the user should hear. Not `strict` (compile_layers="auto"), the step is
+    None where it cannot be had, and a note says why; `strict`, it is compiled or this raises.
 
     Float weights are laid out row-major, as `Llama.build(compile=True)` does for its step; the layers keep the
     classes they were loaded with (`Llama.build(compile_layers=...)` plans them for this step). On the CPU the step
@@ -276,19 +281,14 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, mode: Union[bool
     with batch size and table width symbolic so that no step met while serving compiles anything again (tested).
 
     Raises:
-        LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler), and `mode` is True.
+        LlamaError: the step could not be compiled (on the CPU it needs a C++ compiler), and `strict`.
     """
-    auto, notes = mode == "auto", []
-    ahead = store.used(model.device)
-    if auto and not ahead:
-        if model.device.type == "cpu" and not store.SUPPORTED:
-            notes.append(store.UNSUPPORTED_NOTE)
-        return None, notes  # the eager step, as the commands' default here (on a GPU, or an older torch)
+    auto, notes = not strict, []
     for module in model.modules():
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
             module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
-    if ahead:
-        step = PagedStep(model, cache, progress)
+    if step == "stored":
+        stored = PagedStep(model, cache, progress)
         try:
             reason = _no_compiler() if auto else None
             if reason is not None:
@@ -296,7 +296,7 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, mode: Union[bool
             for size in sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)}):
                 # The default serves at once: packages not stored yet are built in the background, and each runs
                 # from the first step after it is ready. compile=True waits for them.
-                step.ready(size) if auto else step.runner(size)
+                stored.ready(size) if auto else stored.runner(size)
         except Unsupported as e:
             if not auto:
                 raise LlamaError(f"compile=True failed: the server's step cannot be compiled ahead of time ({e})") from e
@@ -308,8 +308,8 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, mode: Union[bool
                                  "run without compile=True") from e
             notes.append(eager_note(reason))
             return None, notes
-        notes.extend(step.notes)
-        return step, notes
+        notes.extend(stored.notes)
+        return stored, notes
 
     def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         return model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)

@@ -14,14 +14,11 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
-from llama.compile import store
-from llama.compile.step import kv_cache_dtype_note
 from llama.errors import LlamaError
 from llama.generation import Llama
 from llama.io.identity import model_identity
 from llama.io.kv_blocks import BlockSpec
 from llama.kv_cache import describe_kv_cache
-from llama.run_plan import check_one_process
 from llama.runtime.devices import available_memory
 from llama.runtime.progress import Progress
 from llama.server.disk_cache import DEFAULT_MAX_BYTES, DiskCache, check_disk_cache, prepare_directory
@@ -40,28 +37,22 @@ def _quiet(line: str) -> None:
 
 
 def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
-                 kv_cache: bool = True, compile: Union[bool, str] = False,
-                 progress: Optional[Progress] = None, max_rows: Optional[int] = None) -> Tuple[Runner, int, str]:
+                 kv_cache: bool = True, progress: Optional[Progress] = None,
+                 max_rows: Optional[int] = None) -> Tuple[Runner, int, str]:
     """This rank's runner over `llama`'s model and a KV cache of `kv_cache_size` positions: a number, or a function
     of the bytes one position takes on this rank (which depends on the model and the ranks) that returns it;
     default: room for `parallel` sequences of the model's max_seq_len. A decode step feeds up to `max_rows` rows
-    (default `parallel`; more with speculation's drafts).
+    (default `parallel`; more with speculation's drafts). Whether that step is compiled, `llama`'s run plan says
+    (`Llama.build(compile_layers=...)`, llama/run_plan.py).
 
     Returns:
         the runner, its number of KV-cache blocks, and a line describing them.
 
     Raises:
-        LlamaError: the KV cache does not fit the device's memory, or compile=True under torchrun.
+        LlamaError: the KV cache does not fit the device's memory.
     """
     world_size = llama.info.world_size
-    if compile is True:
-        check_one_process(world_size)
-    if world_size > 1:
-        compile = False  # the default's stored step runs in one process, as the commands
     model = llama.model
-    if model.kv_cache_dtype != model.dtype and compile and kv_cache_dtype_note(
-            model.kv_cache_dtype, explicit=compile is True, stored_step=store.used(model.device)) is not None:
-        compile = False  # Llama.build gave the note of the default
     per_position = model.kv_cache_nbytes(1, 1)  # this rank's share of the heads
     if kv_cache_size is None:
         positions = parallel * model.params.max_seq_len
@@ -86,8 +77,8 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
                 f"room for {full:,.1f} sequences of the full {model.params.max_seq_len:,}-token context")
     if world_size > 1:
         line += f"; split over {world_size} processes"
-    runner = Runner(model, num_blocks, block_size, compile=compile if kv_cache else False,
-                    max_rows=max_rows or parallel, progress=progress)
+    runner = Runner(model, num_blocks, block_size, plan=llama.info.plan, max_rows=max_rows or parallel,
+                    progress=progress)
     if runner.compiled is not None:
         building = getattr(runner.compiled, "building", False)
         line += "; decode step compiled" + (" in the background (the eager step serves, with the same answers, "
@@ -113,8 +104,7 @@ class Started(NamedTuple):
 
 def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
                  prefill_chunk: int = 256, max_waiting: int = 64, kv_cache: bool = True,
-                 compile: Union[bool, str] = False, progress: Optional[Progress] = None,
-                 kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
+                 progress: Optional[Progress] = None, kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
                  speculate: Union[str, Drafter, None] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  on_rank_lost: Log = _quiet, log: Log = _quiet) -> Started:
     """The running serving loop over `llama`: its runner (`build_runner`), a scheduler of `parallel` sequences
@@ -137,7 +127,7 @@ def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
     if kv_cache_dir is not None:
         check_disk_cache(kv_cache, llama.info.world_size)
         prepare_directory(kv_cache_dir)
-    runner, num_blocks, line = build_runner(llama, parallel, kv_cache_size, block_size, kv_cache, compile, progress,
+    runner, num_blocks, line = build_runner(llama, parallel, kv_cache_size, block_size, kv_cache, progress,
                                             max_rows=max(parallel, min(MAX_STEP_ROWS, parallel * (1 + draft_tokens)))
                                             if speculate else parallel)
     if speculate:
@@ -206,8 +196,7 @@ def create_server_app(engine: Optional[Engine] = None, model_id: str = "llama", 
 
 def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1", port: int = 8080,
           parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
-          prefill_chunk: int = 256, max_waiting: int = 64, kv_cache: bool = True,
-          compile: Union[bool, str] = False, model_id: str = "llama", api_key: Optional[str] = None,
+          prefill_chunk: int = 256, max_waiting: int = 64, kv_cache: bool = True, model_id: str = "llama", api_key: Optional[str] = None,
           webui: bool = True, shutdown_grace: float = 5.0, progress: Optional[Progress] = None,
           kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
           speculate: Optional[str] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
@@ -234,8 +223,7 @@ def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1",
             llama = generator() if callable(generator) else generator
             engine, line, notes = start_engine(
                 llama, parallel=parallel, kv_cache_size=kv_cache_size, block_size=block_size,
-                prefill_chunk=prefill_chunk, max_waiting=max_waiting, kv_cache=kv_cache, compile=compile,
-                progress=progress, kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
+                prefill_chunk=prefill_chunk, max_waiting=max_waiting, kv_cache=kv_cache, progress=progress, kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
                 speculate=speculate, draft_tokens=draft_tokens, on_rank_lost=on_rank_lost, log=log)
             for note in notes:
                 say(f"note: {note}")

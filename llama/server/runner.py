@@ -11,7 +11,7 @@ position 0 through the model's plain path, as `Llama.generate(kv_cache=False)` d
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from llama.compile.step import compile_paged_step
 from llama.constraint import Constraint
 from llama.sampling import SamplingControls, apply_controls, check_draft, check_finite, sample
 from llama.model import Transformer
+from llama.run_plan import RunPlan
 from llama.runtime.progress import Progress
 
 
@@ -71,33 +72,34 @@ class Result:
 class Runner:
     """Batched forward steps of one model over a paged KV cache.
 
-    The runner takes the model over: with `compile` its float weights become row-major, and eagerly its output
-    matrix gains a row-major copy for many rows (`_ManyRowsOutput`).
+    The runner takes the model over: with a compiled step its float weights become row-major, and eagerly its
+    output matrix gains a row-major copy for many rows (`_ManyRowsOutput`).
 
     Args:
-        model: the model, built and loaded; with `compile`, loaded with its layers planned for the compiled step
-            (`Llama.build(compile_layers=compile)`), which its eager steps run too.
+        model: the model, built and loaded; for a compiled step, loaded with its layers planned for it
+            (`Llama.build(compile_layers=...)`), which its eager steps run too.
         num_blocks, block_size: the KV cache's blocks; num_blocks 0 runs without a cache.
-        compile: compile the decode step: True or "auto" (llama-server's default) on the CPU loads it from stored
-            packages (llama/compile/aot.py's PagedStep, built first where there are none), "auto" running eagerly where
-            it cannot be had; True on a GPU compiles it with torch.compile.
+        plan: the model's run plan (`Llama.info.plan`, llama/run_plan.py), whose `batched_step` says how the decode
+            step runs: "stored" loads it from stored packages (llama/compile/aot.py's PagedStep, built first where there
+            are none), "torch.compile" compiles it now, "eager" (or no plan) runs the model's own step.
         max_rows: the most rows a decode step feeds (llama-server --parallel): the packages for up to that many
             are ready before serving.
         progress: told about package builds.
 
     Raises:
-        LlamaError: compile=True, and the step could not be compiled.
+        LlamaError: the plan's `batched_strict` (compile_layers=True), and the step could not be compiled.
     """
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, compile: Union[bool, str] = False,
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, plan: Optional[RunPlan] = None,
                  max_rows: int = 16, progress: Optional[Progress] = None):
         self.model = model
         self.device = model.device
         self.cache = model.new_paged_kv_cache(num_blocks, block_size) if num_blocks > 0 else None
         self.notes: List[str] = []  # what the user should hear about the compiled step
         self.compiled = None
-        if compile and self.cache is not None:
-            self.compiled, self.notes = compile_paged_step(model, self.cache, compile, max_rows, progress)
+        if plan is not None and plan.batched_step != "eager" and self.cache is not None:
+            self.compiled, self.notes = compile_paged_step(model, self.cache, plan.batched_step, plan.batched_strict,
+                                                           max_rows, progress)
         if self.compiled is None and _ManyRowsOutput.suits(model.output):
             model.output = _ManyRowsOutput(model.output)
 

@@ -152,7 +152,7 @@ def _serve_compiled(gqa_ckpt, stored):
     # classes it is given): the packages it stores are the ones tests/server/test_server.py's default server loads.
     llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, compile_layers=True)
     scheduler = Scheduler(64, 4, 8, 16)
-    runner = Runner(llama.model, 64, 4, compile=True, max_rows=8)
+    runner = Runner(llama.model, 64, 4, plan=llama.info.plan, max_rows=8)
     assert isinstance(runner.compiled, PagedStep) == stored
     engine = Engine(llama.tokenizer, scheduler, runner)
     engine.start()
@@ -236,7 +236,7 @@ def test_the_stored_step_serves_an_int8_cache_as_the_eager_step_does(gqa_ckpt, q
     completion as `Llama.generate`'s eager step gives it alone: its logprobs the same bits, on the integer kernels and
     on float32 weights alike (each row-exact under an int8 cache)."""
     llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="int8", quantize=quantize, compile_layers=True)
-    runner = Runner(llama.model, 64, 4, compile=True, max_rows=8)
+    runner = Runner(llama.model, 64, 4, plan=llama.info.plan, max_rows=8)
     assert isinstance(runner.compiled, PagedStep) and runner.cache.dtype == runner.compiled.kv_dtype == torch.int8
     engine = Engine(llama.tokenizer, Scheduler(64, 4, 8, 16), runner)
     engine.start()
