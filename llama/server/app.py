@@ -104,7 +104,8 @@ class Started(NamedTuple):
 
 def start_engine(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
                  prefill_chunk: int = 256, max_waiting: int = 64, kv_cache: bool = True,
-                 progress: Optional[Progress] = None, kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
+                 progress: Optional[Progress] = None, kv_cache_dir: Optional[str] = None,
+                 kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
                  speculate: Union[str, Drafter, None] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
                  on_rank_lost: Log = _quiet, log: Log = _quiet) -> Started:
     """The running serving loop over `llama`: its runner (`build_runner`), a scheduler of `parallel` sequences
@@ -196,8 +197,9 @@ def create_server_app(engine: Optional[Engine] = None, model_id: str = "llama", 
 
 def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1", port: int = 8080,
           parallel: int = 4, kv_cache_size: KVCacheSize = None, block_size: int = 16,
-          prefill_chunk: int = 256, max_waiting: int = 64, kv_cache: bool = True, model_id: str = "llama", api_key: Optional[str] = None,
-          webui: bool = True, shutdown_grace: float = 5.0, progress: Optional[Progress] = None,
+          prefill_chunk: int = 256, max_waiting: int = 64, kv_cache: bool = True, model_id: str = "llama",
+          api_key: Optional[str] = None, webui: bool = True, shutdown_grace: float = 5.0,
+          progress: Optional[Progress] = None,
           kv_cache_dir: Optional[str] = None, kv_cache_dir_size: int = DEFAULT_MAX_BYTES,
           speculate: Optional[str] = None, draft_tokens: int = DEFAULT_DRAFT_TOKENS,
           on_rank_lost: Log = _quiet, say: Log = _quiet, log: Log = _quiet) -> None:
@@ -223,7 +225,8 @@ def serve(generator: Union[Llama, Callable[[], Llama]], host: str = "127.0.0.1",
             llama = generator() if callable(generator) else generator
             engine, line, notes = start_engine(
                 llama, parallel=parallel, kv_cache_size=kv_cache_size, block_size=block_size,
-                prefill_chunk=prefill_chunk, max_waiting=max_waiting, kv_cache=kv_cache, progress=progress, kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
+                prefill_chunk=prefill_chunk, max_waiting=max_waiting, kv_cache=kv_cache, progress=progress,
+                kv_cache_dir=kv_cache_dir, kv_cache_dir_size=kv_cache_dir_size,
                 speculate=speculate, draft_tokens=draft_tokens, on_rank_lost=on_rank_lost, log=log)
             for note in notes:
                 say(f"note: {note}")
