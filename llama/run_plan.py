@@ -125,6 +125,22 @@ def check_one_process(world_size: int) -> None:
         raise LlamaError(f"compile=True runs in one process, not under torchrun with {world_size} processes")
 
 
+def check_before_loading(flags: ModelFlags, world_size: int, stored_step: bool) -> None:
+    """`plan_run`'s refusals that need no checkpoint, for a command that refuses before it loads (llama-server, which
+    listens while it loads): compile=True (or compile_layers=True) under torchrun, or over an int8 KV cache where no
+    stored step serves (`stored_step`: llama/compile/store.py `used` on the flags' device).
+
+    Raises:
+        LlamaError: the refusal, as `plan_run` words it.
+    """
+    flags = flags.checked()
+    if flags.compile is not True and flags.compile_layers is not True:
+        return
+    check_one_process(world_size)
+    if resolve_kv_cache_dtype(flags.kv_cache_dtype, torch.float32) == torch.int8:  # never the model's dtype
+        kv_cache_dtype_note(torch.int8, explicit=True, stored_step=stored_step)
+
+
 def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     """The run `flags` ask for on the machine and checkpoint `facts` describe (flags `checked` first).
 

@@ -15,16 +15,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Tuple, Union
 
-import torch
-
 from llama.cli.common import EXIT_ERROR, as_flags, fail, run
 from llama.cli.flags import with_model_flags
 from llama.cli.loading import build_from_flags
 from llama.cli.printer import ProgressPrinter
 from llama.compile import store
-from llama.compile.step import kv_cache_dtype_note
 from llama.convert.fetch import DEFAULT_MODEL
-from llama.run_plan import ModelFlags
+from llama.run_plan import ModelFlags, check_before_loading
 from llama.runtime.distributed import launched_rank
 from llama.errors import LlamaError
 from llama.runtime.devices import local_device, resolve_device
@@ -144,12 +141,16 @@ def main(
         fail(f"--port must be at most 65535, not {port}")
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     dir_size = byte_count(kv_cache_dir_size, "--kv-cache-dir-size")
-    compile = flags.checked().compile  # the batched step's: llama/server/runner.py compiles it
-    if compile is True and flags.kv_cache_dtype == "int8":  # never the model's dtype; refused before the server listens
-        try:
-            kv_cache_dtype_note(torch.int8, explicit=True, stored_step=store.used(local_device(resolve_device(flags.device))))
-        except LlamaError as e:
-            fail(as_flags(str(e)))
+    # The run plan decides the batched step (compile_layers): the model's layers are planned for it, and the runner
+    # makes it. What the plan would refuse without the checkpoint is refused before the server listens.
+    compile = flags.checked().compile
+    flags = replace(flags, max_seq_len=max_seq_len, max_batch_size=parallel, seed=1, compile=False,
+                    compile_layers=compile if not no_kv_cache else False)
+    try:
+        check_before_loading(flags, int(os.environ.get("WORLD_SIZE", "1")),
+                             stored_step=store.used(local_device(resolve_device(flags.device))))
+    except LlamaError as e:
+        fail(as_flags(str(e)))
     if speculate is not None:
         from llama.server.app import check_server_speculation
 
@@ -162,10 +163,6 @@ def main(
 
         check_disk_cache(not no_kv_cache, int(os.environ.get("WORLD_SIZE", "1")))
         prepare_directory(Path(kv_cache_dir).expanduser())
-    # The run plan decides the batched step (compile_layers): the model's layers are planned for it, and the runner
-    # makes it.
-    flags = replace(flags, max_seq_len=max_seq_len, max_batch_size=parallel, seed=1, compile=False,
-                    compile_layers=compile if not no_kv_cache else False)
 
     def load():
         """This rank's Llama, as every command loads it."""
