@@ -12,7 +12,7 @@ from typing import Callable, Iterator, List, Optional, Set, Tuple, TypedDict, Un
 
 import torch
 
-from llama.compile.step import CompiledStep
+from llama.compile.step import Step
 from llama.constraint import Constraint, Grammar
 from llama.dialog import UNSAFE_ERROR, Dialog, Message, encode_dialog, has_special_tags
 from llama.errors import LlamaError
@@ -208,7 +208,7 @@ class Llama:
         self.device = model.device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.info = info if info is not None else LoadInfo()
-        self.compiled_step: Optional[CompiledStep] = None  # set by build(compile=True): runs the steps after the prompt
+        self.compiled_step: Optional[Step] = None  # set by build(compile=True): runs the steps after the prompt
         # Moves the threads of the steps after the prompt with the cores they get (llama/runtime/threads.py); set by
         # build where the plan says no result depends on the thread count.
         self.step_threads: Optional[StepThreads] = None

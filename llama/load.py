@@ -15,7 +15,7 @@ import torch
 
 from llama import kernels
 from llama.compile import store
-from llama.compile.step import CompileFailed, CompiledStep, compile_step, eager_note
+from llama.compile.step import CompileFailed, Step, compile_step, eager_note
 from llama.convert.cache import resolve_checkpoint
 from llama.io.checkpoint import CheckpointReader, find_tokenizer, model_args, read_params
 from llama.io.weights import choose_dtype, load_weights, resolve_plan
@@ -49,7 +49,7 @@ class LoadInfo:
     plan: Optional[RunPlan] = None  # how the run was planned (llama/run_plan.py)
 
 
-def _make_step(model: Transformer, plan: RunPlan, progress: Optional[Progress], notes: List[str]) -> Optional[CompiledStep]:
+def _make_step(model: Transformer, plan: RunPlan, progress: Optional[Progress], notes: List[str]) -> Optional[Step]:
     """The compiled step `plan` says, or None where compile="auto" finds none to be had (`notes` then says why)."""
     try:
         step = compile_step(model, progress, eager_otherwise=not plan.strict, batch_size=plan.compile_batch_size,
@@ -67,7 +67,7 @@ class Loaded(NamedTuple):
     model: Transformer
     tokenizer: Tokenizer
     info: LoadInfo
-    step: Optional[CompiledStep]  # the compiled decode step; None: the model's own, eager
+    step: Optional[Step]  # the compiled decode step; None: the model's own, eager
 
 
 def load(flags: ModelFlags, progress: Optional[Progress] = None) -> Loaded:

@@ -43,8 +43,8 @@ def build_packages(threads: int, draft_tokens: int) -> None:
     torch.set_num_threads(threads)
     llama = Llama.build(default_model_dir(), max_seq_len=2048, max_batch_size=8, compile_layers="auto")
     runner, _, _ = build_runner(llama, parallel=8, max_rows=min(MAX_STEP_ROWS, 8 * (1 + draft_tokens)))
-    if runner.compiled is not None and hasattr(runner.compiled, "wait"):
-        runner.compiled.wait()
+    if runner.compiled_step is not None:
+        runner.compiled_step.wait()
 
 
 def start(flags: List[str], threads: int) -> subprocess.Popen:

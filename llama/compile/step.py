@@ -9,8 +9,9 @@ torch.compile, with positions, the KV cache's length and (without the cache) the
 symbolic sizes, so one compilation serves every step of every later call with the same batch size.
 
 llama-server's step (`compile_paged_step`) is the one-token step of many rows at their own positions over the
-paged KV cache, from stored packages on the CPU as well. Both follow one rule: "auto" (the default) takes the
-stored step where it can be had and runs eagerly otherwise, with a note saying why; True compiles or fails.
+paged KV cache, from stored packages on the CPU as well. One `Step` serves both, and follows one rule: "auto" (the
+default) takes the stored step where it can be had and runs eagerly otherwise, with a note saying why; True
+compiles or fails.
 """
 
 import atexit
@@ -94,16 +95,20 @@ class CompileFailed(LlamaError):
         self.reason = reason
 
 
-class CompiledStep:
-    """`model.forward` for the steps after the prompt, compiled; it shares the model's weights.
-
-    `ahead_of_time` runs the one-token cached steps from stored packages where `stored` (the run plan's step "stored":
-    on the CPU; None on a GPU); torch.compile runs the rest.
+class Step:
+    """A model's decode step, the steps after the prompt, compiled as the run plan names it; it shares the model's
+    weights. `Llama` calls it over a static cache (`__call__`); llama-server's runner calls `paged` for one token per
+    row over the paged pool `pool`, each row at its own position. It is the one place that decides, step by step,
+    what runs: the stored package where the plan's step is "stored" (`ahead_of_time`, on the CPU), torch.compile for
+    the steps no package takes, or with `eager_otherwise` (compile="auto") the model's own eager step, which gives
+    the same bits, wherever no package is ready yet (one being built in the background runs from the first step
+    after it is).
     """
 
     def __init__(self, model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False,
-                 stored: bool = False):
+                 stored: bool = False, pool: Optional[PagedKVCache] = None):
         self.model = model
+        self.pool = pool
         self.eager_otherwise = eager_otherwise  # steps the package does not take run eagerly, not torch.compile'd
         self._compiled = None  # torch.compile's, made at its first use: making it imports Inductor (seconds)
         # On the CPU the step's kernels are called from generated C++ rather than Python: more tokens/s, the most
@@ -112,20 +117,26 @@ class CompiledStep:
         # around a torch bug.
         self._cpp_wrapper = (model.device.type == "cpu"
                              and os.environ.get("LLAMA_COMPILE_CPP_WRAPPER", "1") != "0")
-        self.ahead_of_time = AheadOfTimeStep(model, progress) if stored else None
+        self.ahead_of_time: Union[AheadOfTimeStep, PagedStep, None] = None
+        if stored:
+            self.ahead_of_time = AheadOfTimeStep(model, progress) if pool is None else PagedStep(model, pool, progress)
+
+    def _package(self, size) -> Optional[Callable]:
+        """The stored package that runs a step of `size` now, or None: compile=True waits for it (built now where none
+        is stored); the default takes it once it is ready. A model no package can hold drops the packages for good."""
+        try:
+            return self.ahead_of_time.runner(size) if not self.eager_otherwise else self.ahead_of_time.ready(size)
+        except Unsupported:
+            self.ahead_of_time = None  # every step goes the other ways from here on
+            return None
 
     def __call__(self, tokens: torch.Tensor, start_pos: int, cache: Optional[List[KVCache]],
                  num_logits: Optional[int] = None) -> torch.Tensor:
-        if self.ahead_of_time is not None and self.ahead_of_time.accepts(tokens, cache, num_logits):
-            try:
-                if not self.eager_otherwise:  # compile=True: wait for the package
-                    return self.ahead_of_time(tokens, start_pos, cache, num_logits)
-                # The default: the stored step once it is ready, the eager one (the same bits) until then.
-                runner = self.ahead_of_time.ready(self.ahead_of_time.size_of(tokens))
-                if runner is not None:
-                    return self.ahead_of_time(tokens, start_pos, cache, num_logits, runner=runner)
-            except Unsupported:
-                self.ahead_of_time = None  # every step goes the way below from here on
+        ahead = self.ahead_of_time
+        if ahead is not None and ahead.accepts(tokens, cache, num_logits):
+            runner = self._package(ahead.size_of(tokens))
+            if runner is not None:
+                return ahead(tokens, start_pos, cache, num_logits, runner=runner)
         if self.eager_otherwise:
             return self.model(tokens, start_pos, cache, num_logits=num_logits)
         if self._compiled is None:
@@ -135,6 +146,30 @@ class CompiledStep:
                 torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
                 torch._inductor.config.patch(cpp_wrapper=self._cpp_wrapper):
             return self._compiled(tokens, start_pos, cache, num_logits=num_logits)
+
+    def paged(self, tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The last position's logits of one token per row over the paged pool, each row at its position in
+        `input_pos` through its block table in `tables` (tokens and positions (rows, 1), tables (rows, width))."""
+        ahead = self.ahead_of_time
+        if ahead is not None:
+            runner = self._package(PagedStep.size_range(tokens.shape[0]))
+            if runner is not None:
+                return ahead(tokens, input_pos, tables, runner=runner)
+        elif not self.eager_otherwise:
+            if self._compiled is None:
+                self._compiled = torch.compile(self._paged_decode, dynamic=True, fullgraph=True)
+                quiet_inductor()
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # one limit for the whole process
+                return self._compiled(tokens, input_pos, tables)
+        return self._paged_decode(tokens, input_pos, tables)
+
+    def _paged_decode(self, tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens, cache=self.pool.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
+
+    @property
+    def building(self) -> bool:
+        """Whether packages are being built in the background (the eager step runs until each is ready)."""
+        return self.ahead_of_time is not None and self.ahead_of_time.building
 
     def verifies(self, n_tokens: int, cache: List[KVCache]) -> bool:
         """Whether the step that feeds `n_tokens` tokens of one row, with every one's logits, runs compiled now: the
@@ -210,7 +245,7 @@ def finish_background_builds() -> None:
 
 
 def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_otherwise: bool = False,
-                 batch_size: int = 1, stored: Optional[bool] = None) -> CompiledStep:
+                 batch_size: int = 1, stored: Optional[bool] = None) -> Step:
     """A compiled version of `model.forward` for the steps after the prompt; it shares the model's weights.
 
     The model should be loaded for it (`Llama.build(compile=...)`): its layers planned for a compiled step
@@ -228,7 +263,7 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
     Raises:
         CompileFailed: the step could not be compiled (on the CPU it needs a C++ compiler).
     """
-    step = CompiledStep(model, progress, eager_otherwise, store.used(model.device) if stored is None else stored)
+    step = Step(model, progress, eager_otherwise, store.used(model.device) if stored is None else stored)
     try:
         if step.ahead_of_time is not None:
             try:
@@ -268,11 +303,11 @@ _WARM_UP = ((1, 3), (2, 3), (5, 4))
 
 
 def compile_paged_step(model: Transformer, cache: PagedKVCache, step: str, strict: bool, max_rows: int = 16,
-                       progress: Optional[Progress] = None) -> Tuple[Optional[Callable], List[str]]:
-    """llama-server's decode step (one token per row, rows at their own positions), compiled now as the run plan's
-    `batched_step` says ("stored" or "torch.compile", llama/run_plan.py): a function of plain tensors (tokens,
-    positions, block tables), and the notes the user should hear. Not `strict` (compile_layers="auto"), the step is
-    None where it cannot be had, and a note says why; `strict`, it is compiled or this raises.
+                       progress: Optional[Progress] = None) -> Tuple[Optional[Step], List[str]]:
+    """llama-server's decode step (one token per row, rows at their own positions, `Step.paged`), compiled now as the
+    run plan's `batched_step` says ("stored" or "torch.compile", llama/run_plan.py), and the notes the user should
+    hear. Not `strict` (compile_layers="auto"), the step is None where it cannot be had, and a note says why;
+    `strict`, it is compiled or this raises.
 
     Float weights are laid out row-major, as `Llama.build(compile=True)` does for its step; the layers keep the
     classes they were loaded with (`Llama.build(compile_layers=...)` plans them for this step). On the CPU the step
@@ -287,8 +322,8 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, step: str, stric
     for module in model.modules():
         if isinstance(module, nn.Linear) and not module.weight.is_contiguous():
             module.weight = nn.Parameter(module.weight.detach().contiguous(), requires_grad=False)
+    compiled = Step(model, progress, eager_otherwise=auto, stored=step == "stored", pool=cache)
     if step == "stored":
-        stored = PagedStep(model, cache, progress)
         try:
             reason = _no_compiler() if auto else None
             if reason is not None:
@@ -296,7 +331,7 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, step: str, stric
             for size in sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)}):
                 # The default serves at once: packages not stored yet are built in the background, and each runs
                 # from the first step after it is ready. compile=True waits for them.
-                stored.ready(size) if auto else stored.runner(size)
+                compiled.ahead_of_time.ready(size) if auto else compiled.ahead_of_time.runner(size)
         except Unsupported as e:
             if not auto:
                 raise LlamaError(f"compile=True failed: the server's step cannot be compiled ahead of time ({e})") from e
@@ -308,24 +343,14 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, step: str, stric
                                  "run without compile=True") from e
             notes.append(eager_note(reason))
             return None, notes
-        notes.extend(stored.notes)
-        return stored, notes
-
-    def decode(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        return model(tokens, cache=cache.for_step(tables, input_pos), input_pos=input_pos, num_logits=1)
-
-    dynamo_compiled = torch.compile(decode, dynamic=True, fullgraph=True)
-
-    def compiled(tokens: torch.Tensor, input_pos: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # one limit for the whole process
-            return dynamo_compiled(tokens, input_pos, tables)
-
-    quiet_inductor()
+        notes.extend(compiled.notes)
+        return compiled, notes
     try:
         with torch.inference_mode():
             for bsz, width in _WARM_UP:  # block 0's first position is scratch until a sequence takes the block
                 zeros = lambda *shape: torch.zeros(shape, dtype=torch.long, device=model.device)  # noqa: E731
-                compiled(zeros(bsz, 1), zeros(bsz, 1), zeros(bsz, width))  # three tensors: one would be guarded on
+                # Three tensors: one would be guarded on.
+                compiled.paged(zeros(bsz, 1), zeros(bsz, 1), zeros(bsz, width))
     except Exception as e:  # Inductor fails in many ways (no compiler, a bad toolchain)
         reason = first_line(e)
         raise LlamaError(f"compile=True failed: torch.compile could not build the server's step ({reason}); "

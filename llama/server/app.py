@@ -79,10 +79,9 @@ def build_runner(llama: Llama, parallel: int = 4, kv_cache_size: KVCacheSize = N
         line += f"; split over {world_size} processes"
     runner = Runner(model, num_blocks, block_size, plan=llama.info.plan, max_rows=max_rows or parallel,
                     progress=progress)
-    if runner.compiled is not None:
-        building = getattr(runner.compiled, "building", False)
+    if runner.compiled_step is not None:
         line += "; decode step compiled" + (" in the background (the eager step serves, with the same answers, "
-                                            "until it is ready)" if building else "")
+                                            "until it is ready)" if runner.compiled_step.building else "")
     return runner, num_blocks, line
 
 

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.compile.aot import PagedStep
-from llama.compile.step import compile_paged_step
+from llama.compile.step import Step, compile_paged_step
 from llama.constraint import Constraint
 from llama.sampling import SamplingControls, apply_controls, check_draft, check_finite, sample
 from llama.model import Transformer
@@ -96,11 +95,11 @@ class Runner:
         self.device = model.device
         self.cache = model.new_paged_kv_cache(num_blocks, block_size) if num_blocks > 0 else None
         self.notes: List[str] = []  # what the user should hear about the compiled step
-        self.compiled = None
+        self.compiled_step: Optional[Step] = None  # the decode step (llama/compile/step.py); None: the model's own
         if plan is not None and plan.batched_step != "eager" and self.cache is not None:
-            self.compiled, self.notes = compile_paged_step(model, self.cache, plan.batched_step, plan.batched_strict,
-                                                           max_rows, progress)
-        if self.compiled is None and _ManyRowsOutput.suits(model.output):
+            self.compiled_step, self.notes = compile_paged_step(model, self.cache, plan.batched_step,
+                                                                plan.batched_strict, max_rows, progress)
+        if self.compiled_step is None and _ManyRowsOutput.suits(model.output):
             model.output = _ManyRowsOutput(model.output)
 
     def close(self) -> None:
@@ -156,7 +155,7 @@ class Runner:
         n = len(rows[0].tokens)
         all_logits = any(row.all_logits for row in rows)
         # Prompt chunks run eagerly, as llama/compile/step.py runs prompts: their lengths vary too much to compile.
-        compiled = self.compiled is not None and n == 1 and not all_logits
+        compiled = self.compiled_step is not None and n == 1 and not all_logits
         # A compiled step would specialise on a table one block wide: pad to two (the padding is masked).
         width = max([len(row.blocks) for row in rows] + [2 if compiled else 1])
         if not compiled:
@@ -167,14 +166,8 @@ class Runner:
                               device=self.device)
         tokens = torch.tensor([row.tokens for row in rows], device=self.device)
         input_pos = torch.tensor([[row.start + k for k in range(n)] for row in rows], device=self.device)
-        if compiled and isinstance(self.compiled, PagedStep):
-            # The default: the stored step for this many rows once it is ready (built in the background), the eager
-            # step until then, which gives the same bits.
-            runner = self.compiled.ready(PagedStep.size_range(len(rows)))
-            if runner is not None:
-                return self.compiled(tokens, input_pos, tables, runner=runner)
-        elif compiled:
-            return self.compiled(tokens, input_pos, tables)
+        if compiled:
+            return self.compiled_step.paged(tokens, input_pos, tables)
         caches = self.cache.for_step(tables, input_pos)
         return self.model(tokens, cache=caches, input_pos=input_pos, num_logits=None if all_logits else 1)
 

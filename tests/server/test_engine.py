@@ -153,7 +153,7 @@ def _serve_compiled(gqa_ckpt, stored):
     llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, compile_layers=True)
     scheduler = Scheduler(64, 4, 8, 16)
     runner = Runner(llama.model, 64, 4, plan=llama.info.plan, max_rows=8)
-    assert isinstance(runner.compiled, PagedStep) == stored
+    assert (runner.compiled_step is not None and isinstance(runner.compiled_step.ahead_of_time, PagedStep)) == stored
     engine = Engine(llama.tokenizer, scheduler, runner)
     engine.start()
     ps = prompts(llama)
@@ -237,7 +237,8 @@ def test_the_stored_step_serves_an_int8_cache_as_the_eager_step_does(gqa_ckpt, q
     on float32 weights alike (each row-exact under an int8 cache)."""
     llama = build(gqa_ckpt, max_seq_len=MAX_SEQ_LEN, kv_cache_dtype="int8", quantize=quantize, compile_layers=True)
     runner = Runner(llama.model, 64, 4, plan=llama.info.plan, max_rows=8)
-    assert isinstance(runner.compiled, PagedStep) and runner.cache.dtype == runner.compiled.kv_dtype == torch.int8
+    ahead = runner.compiled_step.ahead_of_time
+    assert isinstance(ahead, PagedStep) and runner.cache.dtype == ahead.kv_dtype == torch.int8
     engine = Engine(llama.tokenizer, Scheduler(64, 4, 8, 16), runner)
     engine.start()
     ps = prompts(llama)
