@@ -7,10 +7,7 @@ Without --ckpt_dir (or -m) it uses the default model (fetched on first use); a .
 folder is converted once into $LLAMA_HOME/converted.
 """
 
-from llama.cli.common import run
-from llama.cli.flags import model_flag
-from llama.cli.loading import build_from_flags, is_main_rank
-from llama.run_plan import ModelFlags
+from llama.cli import build, run
 
 DIALOGS = [
     [{"role": "user", "content": "What is the boiling point of water at sea level, in Celsius?"}],
@@ -54,17 +51,22 @@ def main(
         quantize: int8 or int4: hold the linear layers' weights quantized (see llama-generate --help).
         model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
-    flags = ModelFlags(model_flag(ckpt_dir, model), tokenizer_path, max_seq_len, max_batch_size, quantize=quantize)
-    generator = build_from_flags(flags)
+    generator = build(
+        ckpt_dir=ckpt_dir,
+        model=model,
+        tokenizer_path=tokenizer_path,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        quantize=quantize,
+    )
     results = generator.chat_completion(DIALOGS, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
                                         kv_cache=not no_kv_cache)
-    if is_main_rank(generator):
-        for dialog, result in zip(DIALOGS, results):
-            for msg in dialog:
-                print(f"{msg['role'].capitalize()}: {msg['content']}\n")
-            print(f"> {result['generation']['role'].capitalize()}: {result['generation']['content']}")
-            print("\n==================================\n")
+    for dialog, result in zip(DIALOGS, results):
+        for msg in dialog:
+            print(f"{msg['role'].capitalize()}: {msg['content']}\n")
+        print(f"> {result['generation']['role'].capitalize()}: {result['generation']['content']}")
+        print("\n==================================\n")
 
 
 if __name__ == "__main__":
-    run(main, "example_chat_completion.py")
+    run(main)

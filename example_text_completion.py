@@ -7,10 +7,7 @@ Without --ckpt_dir (or -m) it uses the default model (fetched on first use); a .
 folder is converted once into $LLAMA_HOME/converted.
 """
 
-from llama.cli.common import run
-from llama.cli.flags import model_flag
-from llama.cli.loading import build_from_flags, is_main_rank
-from llama.run_plan import ModelFlags
+from llama.cli import build, run
 
 PROMPTS = [
     "I believe the meaning of life is",
@@ -48,16 +45,21 @@ def main(
         quantize: int8 or int4: hold the linear layers' weights quantized (see llama-generate --help).
         model: the same as --ckpt-dir, by llama.cpp's name (-m FILE).
     """
-    flags = ModelFlags(model_flag(ckpt_dir, model), tokenizer_path, max_seq_len, max_batch_size, quantize=quantize)
-    generator = build_from_flags(flags)
+    generator = build(
+        ckpt_dir=ckpt_dir,
+        model=model,
+        tokenizer_path=tokenizer_path,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        quantize=quantize,
+    )
     results = generator.text_completion(PROMPTS, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len,
                                         kv_cache=not no_kv_cache)
-    if is_main_rank(generator):
-        for prompt, result in zip(PROMPTS, results):
-            print(prompt)
-            print(f"> {result['generation']}")
-            print("\n==================================\n")
+    for prompt, result in zip(PROMPTS, results):
+        print(prompt)
+        print(f"> {result['generation']}")
+        print("\n==================================\n")
 
 
 if __name__ == "__main__":
-    run(main, "example_text_completion.py")
+    run(main)
