@@ -32,10 +32,9 @@ from llama.server.scheduler import WAITING, Scheduler, SequenceState
 from llama.speculative import DEFAULT_DRAFT_TOKENS, Drafter, Speculation, new_drafter
 
 
-# The most rows a step feeds with speculation's drafts among them. A step of 5 rows costs little more than one of
-# 1 (one client: 1.67x on input-grounded prompts), but at 8 clients drafts made the step slower than they paid:
-# 0.64x on open-ended chat with 40 rows a step, 0.48x on input-grounded prompts with 16
-# (scripts/bench_server_speculative.py). So a full batch of 8 takes plain steps.
+# The most rows a step feeds with speculation's drafts among them: a step of a few rows costs little more than one
+# of 1, so one client's drafts pay, but at 8 clients they made the step slower than they paid (docs/speculative.md
+# has the figures, scripts/bench_server_speculative.py measures them). So a full batch of 8 takes plain steps.
 MAX_STEP_ROWS = 8
 
 
@@ -348,18 +347,12 @@ class Engine:
             self.scheduler.update(step)
             return
         self.steps_total += 1
-        for piece, result in zip(step.pieces, results):
-            if piece.draft:  # what the step kept: the newest token and the drafted ones accepted, now computed
-                piece.n = len(result.tokens)
-                piece.seq.tokens += result.tokens[:-1]
-        entered = self.scheduler.update(step)
+        # A checked draft's result is the drafted tokens accepted, then the token sampled after them.
+        entered = self.scheduler.update(step, [result.tokens[:-1] for result in results])
         if self.disk is not None:
             # Now, before a later step can take the block back: it is copied here and written by the disk's thread.
-            for seq, i in entered:
-                self.disk.save(seq.tokens, seq.block_keys, i, lambda b=seq.blocks[i]: self.runner.block_tensor(b))
-        for piece in step.pieces:
-            if piece.draft:  # taken again one by one below, as sampled tokens are
-                del piece.seq.tokens[piece.start + 1 :]
+            for seq, i, tokens in entered:
+                self.disk.save(tokens, seq.block_keys, i, lambda b=seq.blocks[i]: self.runner.block_tensor(b))
         for piece, result in zip(step.pieces, results):
             if piece.seq in self._choices:
                 self._absorb(piece, result)
@@ -433,7 +426,6 @@ class Engine:
             choice.pending = []
 
     def _end(self, seq: SequenceState, choice: _Choice, text: str, reason: str) -> None:
-        seq.computed = min(seq.computed, len(seq.tokens))  # a draft's tokens past the end were computed, not kept
         self.scheduler.finish(seq)
         del self._choices[seq]
         job = choice.job

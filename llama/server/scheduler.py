@@ -26,7 +26,7 @@ Without a KV cache (`kv_cache=False`) no blocks are kept: every step feeds each 
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 from llama.server.blocks import BlockPool
 
@@ -83,8 +83,8 @@ class SequenceState:
 class Piece:
     """Tokens of one sequence fed in a step: `seq.tokens[start : start + n]`, at positions start .. start + n - 1.
 
-    A piece with a draft feeds the newest token and then the draft (n is 1 + its length); before `update` the
-    engine sets n to the tokens the model kept: the newest and the drafted ones accepted.
+    A piece with a draft feeds the newest token and then the draft (n is 1 + its length); `update` is told which
+    drafted tokens the model accepted, and only their positions stay computed.
     """
 
     seq: SequenceState
@@ -195,22 +195,30 @@ class Scheduler:
                 step.pieces.append(Piece(seq, seq.computed, n, sample=done, all_logits=wanted))
         return step
 
-    def update(self, step: Step) -> List[Tuple[SequenceState, int]]:
+    def update(self, step: Step, accepted: Sequence[Sequence[int]] = ()) -> List[Tuple[SequenceState, int, List[int]]]:
         """After the step has run: its positions are computed; full blocks enter the prefix tree.
 
+        Args:
+            accepted: for each piece in order, the drafted tokens the model accepted (a piece without a draft has
+                none): their positions are computed too, and the blocks they fill enter the tree. The engine
+                appends them to the sequence as it takes each sampled token, and may stop before the last.
+
         Returns:
-            (sequence, i) for each block that entered the tree now: the sequence's i-th block.
+            (sequence, i, tokens) for each block that entered the tree now: the sequence's i-th block, and the
+            tokens that fill it (the sequence's and its accepted ones).
         """
         if self._pinned:
             self.pool.release(self._pinned)
             self._pinned = []
         entered = []
-        for piece in step.pieces:
+        for k, piece in enumerate(step.pieces):
             seq = piece.seq
             if seq.status != RUNNING or self.pool is None:
                 continue
-            seq.computed = piece.start + piece.n
-            entered += [(seq, i) for i in self.pool.commit(seq.blocks, seq.tokens, seq.computed)]
+            kept = list(accepted[k]) if piece.draft and k < len(accepted) else []
+            seq.computed = piece.start + (1 + len(kept) if piece.draft else piece.n)
+            tokens = seq.tokens + kept
+            entered += [(seq, i, tokens) for i in self.pool.commit(seq.blocks, tokens, seq.computed)]
             if piece.draft:  # the blocks past the next position held only rejected tokens
                 keep = self.pool.blocks_for(seq.computed + 1)
                 self.pool.release(seq.blocks[keep:])
@@ -245,7 +253,8 @@ class Scheduler:
 
     def _let_go(self, seq: SequenceState) -> None:
         if self.pool is not None:
-            self.pool.keep_partial(seq.blocks, seq.tokens, seq.computed)
+            # A sequence may end before the last drafted token the model accepted: only its tokens' positions count.
+            self.pool.keep_partial(seq.blocks, seq.tokens, min(seq.computed, len(seq.tokens)))
             self.pool.release(seq.blocks)
         seq.blocks, seq.computed = [], 0
 

@@ -340,11 +340,10 @@ def test_a_draft_takes_free_blocks_for_its_step_and_lets_go_of_what_was_rejected
     (piece,) = step.pieces
     assert (piece.start, piece.n, piece.draft) == (3, 5, [5, 6, 7, 8])
     assert len(seq.blocks) == 4  # positions 3 .. 7 fed
-    piece.n = 2  # the model kept the newest token and one drafted token
-    seq.tokens += [5]
-    sched.update(step)
+    entered = sched.update(step, [[5]])  # the model kept the newest token and one drafted token
     assert seq.computed == 5 and len(seq.blocks) == 3 and seq.draft == []  # room for position 5, no more
     assert sched.pool.used == 3
+    assert [(i, tokens[i * 2 : i * 2 + 2]) for s, i, tokens in entered] == [(1, [3, 4])]  # full now, and entered
 
 
 def test_a_draft_takes_no_block_another_sequence_needs():
