@@ -183,7 +183,8 @@ def plan_run(flags: ModelFlags, facts: Facts) -> RunPlan:
     # Keys and values rounded to int8: every float32 product row-exact too, so that the cached and uncached passes,
     # which compute a key among different rows, round it alike (llama/quant/linears.py, RowExactLinear).
     row_exact_float = row_exact_floats(kv_dtype == torch.int8, facts.dtype, cpu, facts.kernels)
-    adapt_threads = float32 and facts.world_size == 1 and facts.kernels.ours and (compiled_layers or row_exact_float)
+    adapt_threads = (float32 and facts.world_size == 1 and facts.kernels.llama_kv
+                     and (compiled_layers or row_exact_float))
     batched_step = "eager"
     if flags.compile_layers is not None and compiled_layers:
         batched_step = "stored" if facts.stored_step else "torch.compile"

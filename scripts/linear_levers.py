@@ -14,7 +14,7 @@ weight read per second that it implies. Candidates that this torch build lacks a
     onednn, plain weight     torch.ops.mkldnn._linear_pointwise on the (out, in) weight as it is
     onednn, column-major     the same on the input-major copy
     llama_kv.f32_linear      ours (llama/kernels), row-major: each output summed in one fixed order, a row's bits
-                             the same in any company (RowsLinear, RowExactLinear); skipped where it cannot build
+                             the same in any company (FewRowsLinear, RowExactLinear); skipped where it cannot build
 `--rows 512` times a prompt's products instead of a decode step's.
 The "decode step" line adds up each kernel's passes: the matrix-product part of one decode step.
 """

@@ -12,7 +12,7 @@ from llama.run_plan import Facts, ModelFlags, plan_run
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 INT8 = {"layers.0.attention.wq.weight": ("int8", None)}
-OURS = Kernels(ours=True)
+OURS = Kernels(llama_kv=True)
 
 
 def facts(device=CPU, world_size=1, stored_step=True, quant=None, dtype=torch.float32, kernels=OURS, missing=None):

@@ -412,7 +412,7 @@ class AheadOfTimeStep(_StoredSteps):
 
 
 # The server's batch sizes, in the ranges one package each serves: the linear layers take one path per range
-# (llama/quant/linears.py: Inductor's reduction for one row, llama_kv.f32_linear up to ROWS_MAX_ROWS, GEMM above).
+# (llama/quant/linears.py: Inductor's reduction for one row, llama_kv.f32_linear up to FEW_ROWS_MAX, GEMM above).
 _PAGED_RANGES = ((1, 1), (2, 16), (17, 1 << 16))
 
 

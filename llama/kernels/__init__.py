@@ -6,7 +6,7 @@ live in `torch.ops.llama_kv` and are registered with fake implementations here, 
 them as it does torch's own. The layer classes that call them are in llama/quant/linears.py; the C++ is under
 `csrc/`, one file per job, with the scalar loop every SIMD path must equal in `dot_scalar.cpp`.
 `f32_linear` (`f32_rows.cpp`) is the float32 one: a compiled float32 decode step multiplies its few rows with
-it (llama.quant.linears.RowsLinear), reading each weight row once for all of them; under an int8 KV cache every
+it (llama.quant.linears.FewRowsLinear), reading each weight row once for all of them; under an int8 KV cache every
 float32 product does (RowExactLinear), since each row's outputs are the same bits in any company.
 
 Which instruction path runs is chosen from the CPU's flags when the library loads (the best of AVX-512 VNNI,

@@ -186,7 +186,7 @@ def minimums_are_minus_8_scales(layer: QuantizedLinear) -> bool:
     return all(torch.equal(m.float(), s.float() * -8) for s, m in pairs)
 
 
-class Int8SixteensDotLinear(Int8DotLinear):
+class Int8Group16DotLinear(Int8DotLinear):
     """int8 in groups of 16 columns (what a GGUF's Q6_K becomes, llama.cpp's default output layer for Q4_0): Q8_0's
     blocks of 32 with a float16 scale for each half, 8 rows interleaved; multiplied by
     `torch.ops.llama_kv.q8_16_linear`, which sums each half's integer products apart and scales them apart."""
@@ -208,14 +208,14 @@ class Int8SixteensDotLinear(Int8DotLinear):
 def dot_class(method: str, in_features: int, group_size: Optional[int],
               zero_point: bool) -> Optional[Type[QuantizedLinear]]:
     """The integer-kernel class that can hold a quantized layer of this shape, or None where none can: groups that
-    neither 32 nor 16 divides into blocks of 32. int8 groups of 16 (a GGUF's Q6_K) go to `Int8SixteensDotLinear`,
+    neither 32 nor 16 divides into blocks of 32. int8 groups of 16 (a GGUF's Q6_K) go to `Int8Group16DotLinear`,
     int4 whose minimums are all -8 times their scales (`zero_point`, Q4_0) to `Int4ZeroPointDotLinear`."""
     group = group_size or in_features
-    sixteens = method == "int8" and group == 16
-    if in_features % kernels.QK or not (group % kernels.QK == 0 or sixteens):
+    group16 = method == "int8" and group == 16
+    if in_features % kernels.QK or not (group % kernels.QK == 0 or group16):
         return None
-    if sixteens:
-        return Int8SixteensDotLinear
+    if group16:
+        return Int8Group16DotLinear
     if method == "int8":
         return Int8DotLinear
     return Int4ZeroPointDotLinear if zero_point else Int4DotLinear

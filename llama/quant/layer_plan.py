@@ -29,12 +29,12 @@ from llama.model import RMSNorm, Rotary, ScaledDotProductAttention
 from llama.nn.row_attention import KernelAttention, RowExactAttention, RowExactRMSNorm, RowExactRotary
 from llama.quant import fuse
 from llama.quant.dot_linears import (DotLinear, Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear,
-                                     Int8SixteensDotLinear, dot_class, minimums_are_minus_8_scales)
+                                     Int8Group16DotLinear, dot_class, minimums_are_minus_8_scales)
 from llama.quant.layer import QuantizedLinear
 from llama.quant.linears import (HAS_INT4_KERNEL, HAS_INT8_KERNEL, INT4_KERNEL_GROUPS, INT4_ROW_BLOCK,
                                  Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
-                                 ReductionLinear, RowExactInt4Linear, RowExactInt8Linear, RowExactLinear,
-                                 RowExactWidening, RowsLinear)
+                                 MulSumLinear, RowExactInt4Linear, RowExactInt8Linear, RowExactLinear,
+                                 RowExactWidening, FewRowsLinear)
 from llama.runtime.pages import return_free_memory, shared_huge_pages
 
 
@@ -53,12 +53,12 @@ class LinearClass:
 LINEAR_CLASSES = (
     LinearClass(nn.Linear, "float (out, in)", "F.linear",
                 "float weights, unless compiled on the CPU"),
-    LinearClass(ReductionLinear, "float, row-major",
+    LinearClass(MulSumLinear, "float, row-major",
                 "a multiply-and-sum Inductor turns into one loop, at up to REDUCTION_MAX_ROWS rows when compiled",
-                "float weights compiled on the CPU, where RowsLinear is not"),
-    LinearClass(RowsLinear, "float32, row-major",
-                "llama_kv.f32_linear at 2 to ROWS_MAX_ROWS rows (each weight row read once for all), "
-                "ReductionLinear's reduction at one",
+                "float weights compiled on the CPU, where FewRowsLinear is not"),
+    LinearClass(FewRowsLinear, "float32, row-major",
+                "llama_kv.f32_linear at 2 to FEW_ROWS_MAX rows (each weight row read once for all), "
+                "MulSumLinear's reduction at one",
                 "float32 weights compiled on the CPU, with llama/kernels loaded and the weight row-major"),
     LinearClass(RowExactLinear, "float32, row-major", "llama_kv.f32_linear at every row count, eager and compiled",
                 "float32 weights on the CPU with llama/kernels loaded, where keys and values are rounded to int8"),
@@ -82,7 +82,7 @@ LINEAR_CLASSES = (
     LinearClass(Int8DotLinear, "int8 blocks of 32, 8 rows interleaved",
                 "llama_kv.q8_0_linear: activations rounded to int8 blocks, integer dot products",
                 "int8 on the CPU on the integer kernels (float32 or bf16, groups a multiple of 32)"),
-    LinearClass(Int8SixteensDotLinear, "int8 blocks of 32 with a scale for each half, 8 rows interleaved",
+    LinearClass(Int8Group16DotLinear, "int8 blocks of 32 with a scale for each half, 8 rows interleaved",
                 "llama_kv.q8_16_linear, each half's sum scaled apart",
                 "int8 in groups of 16 (a GGUF's Q6_K) on the integer kernels"),
     LinearClass(Int4DotLinear, "int4 blocks of 32 + scales and minimums, 16 rows interleaved in one stream",
@@ -97,7 +97,7 @@ LINEAR_CLASSES = (
 class Kernels:
     """The kernels a plan may choose beyond torch's own products; the loader says which the process has."""
 
-    ours: bool = False  # llama/kernels is loaded: the integer kernels, f32_linear, row-exact attention
+    llama_kv: bool = False  # llama/kernels is loaded: the integer kernels, f32_linear, row-exact attention
     int8pack: bool = False  # torch's aten._weight_int8pack_mm
     int4pack: bool = False  # torch's aten._weight_int4pack_mm_for_cpu and its packing
 
@@ -175,13 +175,13 @@ def plan_layers(layers: Mapping[str, LayerSpec], dtype: torch.dtype, device: str
         if all(classes[n] is cls for n in names) and issubclass(cls, DotLinear) and cls.can_join(specs):
             fused[parent] = fused_class
     row_exact = any(issubclass(cls, (DotLinear, RowExactLinear, RowExactWidening)) for cls in classes.values())
-    return LayerPlan(dtype, MappingProxyType(classes), MappingProxyType(fused), row_exact, cpu and have.ours, pages)
+    return LayerPlan(dtype, MappingProxyType(classes), MappingProxyType(fused), row_exact, cpu and have.llama_kv, pages)
 
 
 def row_exact_floats(row_exact_float: bool, dtype: torch.dtype, cpu: bool, have: Kernels) -> bool:
     """Whether `row_exact_float` can be had: float32 on the CPU with llama/kernels loaded (`llama_kv.f32_linear`). The
     loader asks it too, to keep such weights row-major."""
-    return row_exact_float and cpu and have.ours and dtype == torch.float32
+    return row_exact_float and cpu and have.llama_kv and dtype == torch.float32
 
 
 def _layer_class(spec: LayerSpec, dtype: torch.dtype, cpu: bool, compiled: bool, have: Kernels,
@@ -193,9 +193,9 @@ def _layer_class(spec: LayerSpec, dtype: torch.dtype, cpu: bool, compiled: bool,
             return RowExactLinear
         if not (cpu and compiled):
             return nn.Linear
-        return RowsLinear if have.ours and dtype == torch.float32 and spec.row_major else ReductionLinear
+        return FewRowsLinear if have.llama_kv and dtype == torch.float32 and spec.row_major else MulSumLinear
     if spec.integer if integer is None else integer:
-        if cpu and have.ours and dtype in (torch.float32, torch.bfloat16):
+        if cpu and have.llama_kv and dtype in (torch.float32, torch.bfloat16):
             cls = dot_class(spec.method, spec.in_features, spec.group_size, spec.zero_point)
             if cls is not None:
                 return cls

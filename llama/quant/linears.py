@@ -52,7 +52,7 @@ def _compiling_few_rows(x: torch.Tensor) -> bool:
     return being_traced(x) and x.device.type == "cpu" and _rows(x) <= REDUCTION_MAX_ROWS
 
 
-class ReductionLinear(nn.Linear):
+class MulSumLinear(nn.Linear):
     """nn.Linear whose few-row products, when Inductor compiles them on the CPU, are a multiply and a sum.
 
     Decoding multiplies one row per sequence by every weight matrix, so the work is reading the weights:
@@ -70,11 +70,11 @@ class ReductionLinear(nn.Linear):
 
 # From 2 up to this many rows, a compiled float32 step on the CPU multiplies with llama_kv.f32_linear, which reads
 # each weight row once for all of them; from 16 rows on MKL's GEMM is as fast (docs/benchmarks.md).
-ROWS_MAX_ROWS = 16
+FEW_ROWS_MAX = 16
 
 
-class RowsLinear(ReductionLinear):
-    """ReductionLinear whose products of 2-16 float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
+class FewRowsLinear(MulSumLinear):
+    """MulSumLinear whose products of 2-16 float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
 
     Decoding a batch multiplies one row per sequence by every weight matrix: the kernel reads each weight row
     once for all of them, where MKL reads the weights again for each tile of rows and Inductor's reduction
@@ -84,7 +84,7 @@ class RowsLinear(ReductionLinear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if 1 < _rows(x) <= ROWS_MAX_ROWS:
+        if 1 < _rows(x) <= FEW_ROWS_MAX:
             out = torch.ops.llama_kv.f32_linear(x, self.weight)
             return out if self.bias is None else out + self.bias
         return super().forward(x)

@@ -16,7 +16,7 @@ import torch
 
 from helpers import Always, build, run, write_tiny
 from llama.kernels.build import missing
-from llama.quant.linears import ReductionLinear, RowsLinear
+from llama.quant.linears import MulSumLinear, FewRowsLinear
 from llama.speculative import Speculation
 
 pytestmark = [
@@ -43,7 +43,7 @@ def _tokens(llama, prompts):
 
 def test_compiled_step_logits_equal_eager_at_every_position(eager, compiled):
     # Few-row float32 products on llama_kv.f32_linear wherever the kernels build (tests/kernels/test_f32_rows.py).
-    assert type(compiled.model.layers[0].attention.wq) is (RowsLinear if missing() is None else ReductionLinear)
+    assert type(compiled.model.layers[0].attention.wq) is (FewRowsLinear if missing() is None else MulSumLinear)
     # Two sequences, their steps taken in turn, each in its own cache: the step must read the cache it is handed,
     # though it keeps what it made of the last one.
     tokens = torch.randint(0, eager.model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))

@@ -31,7 +31,7 @@ import torch
 from helpers import REPO, build
 from llama import kernels
 from llama.quant import format as qf
-from llama.quant.dot_linears import Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear, Int8SixteensDotLinear
+from llama.quant.dot_linears import Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear, Int8Group16DotLinear
 from llama.kernels import layout
 from llama.kernels.build import missing
 from llama.quant.linears import Int4Linear, Int8KernelLinear, Int8Linear, QuantizedLinear
@@ -392,9 +392,9 @@ def test_int8_groups_of_16_run_on_the_kernel_with_a_scale_for_each_half(monkeypa
 
     gen = torch.Generator().manual_seed(11)
     stored = _layer("int8", 75, 256, 16, gen)
-    assert int_linears.integer_class(stored, torch.float32) is Int8SixteensDotLinear
+    assert int_linears.integer_class(stored, torch.float32) is Int8Group16DotLinear
     monkeypatch.setattr(int_linears, "_CHUNK_ELEMENTS", 16 * 256)  # five slices, the last one short
-    layer = Int8SixteensDotLinear.from_layer(stored, torch.float32)
+    layer = Int8Group16DotLinear.from_layer(stored, torch.float32)
     _assert_holds(layer, stored)
     values, scales = stored.format_values()
     x = torch.randn(2, 3, 256, generator=gen)
@@ -413,7 +413,7 @@ def test_a_model_in_groups_of_16_keeps_the_cache_switch_and_its_classes(gqa_ckpt
     quantize_model(llama.model, "int8", group_size=16)
     for compiled in (False, True):
         choose_layer_classes(llama.model, compiled=compiled)
-        assert type(llama.model.layers[0].feed_forward.w2) is Int8SixteensDotLinear
+        assert type(llama.model.layers[0].feed_forward.w2) is Int8Group16DotLinear
     prompt = [llama.tokenizer.encode("The history of", bos=True, eos=False)]
     cached = llama.generate(prompt, 12, temperature=0, ignore_stop=True)[0]
     assert cached == llama.generate(prompt, 12, temperature=0, ignore_stop=True, kv_cache=False)[0]
@@ -446,8 +446,9 @@ def test_what_the_kernels_cannot_hold_stays_on_the_exact_paths(gqa_ckpt):
     """float16 activations, and int8 groups of 16 (what a GGUF's Q6_K becomes) among them."""
     from llama.quant.layer_plan import layer_class
     sixteens = _layer("int8", 64, 64, 16, torch.Generator().manual_seed(0))
-    assert layer_class(sixteens, torch.float16, compiled=False) not in (Int8DotLinear, Int4DotLinear, Int8SixteensDotLinear)
-    assert layer_class(sixteens, torch.float32, compiled=False, integer=True) is Int8SixteensDotLinear
+    assert layer_class(sixteens, torch.float16, compiled=False) not in (Int8DotLinear, Int4DotLinear,
+                                                                       Int8Group16DotLinear)
+    assert layer_class(sixteens, torch.float32, compiled=False, integer=True) is Int8Group16DotLinear
     layer = _layer("int8", 64, 64, None, torch.Generator().manual_seed(0))
     assert layer_class(layer, torch.float16, compiled=False) not in (Int8DotLinear, Int4DotLinear)
     assert layer_class(layer, torch.float32, compiled=False, integer=False) in (Int8KernelLinear, Int8Linear)

@@ -7,7 +7,7 @@ from helpers import build
 from llama.quant import fuse as fuse_module
 from llama import kernels
 from llama.quant.fuse import FusedAttention, FusedFeedForward
-from llama.quant.dot_linears import Int4DotLinear, Int8DotLinear, Int8SixteensDotLinear
+from llama.quant.dot_linears import Int4DotLinear, Int8DotLinear, Int8Group16DotLinear
 from llama.kernels.build import missing
 from llama.model import Attention, FeedForward
 from llama.quant.quantize import quantize_model
@@ -15,7 +15,7 @@ from llama.quant.quantize import quantize_model
 pytestmark = pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
 
 # (method, group size, the class the projections become)
-CASES = [("int8", None, Int8DotLinear), ("int4", 32, Int4DotLinear), ("int8", 16, Int8SixteensDotLinear)]
+CASES = [("int8", None, Int8DotLinear), ("int4", 32, Int4DotLinear), ("int8", 16, Int8Group16DotLinear)]
 
 
 def _models(ckpt, monkeypatch, method, group_size):

@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from llama.quant.dot_linears import (Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear, Int8SixteensDotLinear)
+from llama.quant.dot_linears import (Int4DotLinear, Int4ZeroPointDotLinear, Int8DotLinear, Int8Group16DotLinear)
 from llama.quant.fuse import FusedAttention, FusedFeedForward
 from llama.quant.layer_plan import LINEAR_CLASSES, Kernels, LayerSpec, plan_layers
 from llama.quant.linears import (Int4HalvesLinear, Int4KernelLinear, Int4Linear, Int8KernelLinear, Int8Linear,
-                                 ReductionLinear, RowExactInt4Linear, RowExactInt8Linear, RowExactLinear,
-                                 RowsLinear)
+                                 MulSumLinear, RowExactInt4Linear, RowExactInt8Linear, RowExactLinear,
+                                 FewRowsLinear)
 
-ALL = Kernels(ours=True, int8pack=True, int4pack=True)
+ALL = Kernels(llama_kv=True, int8pack=True, int4pack=True)
 FLOAT = LayerSpec(64, 64)
 INT8 = LayerSpec(64, 64, "int8")
 INT4 = LayerSpec(64, 64, "int4", 32)
@@ -26,10 +26,10 @@ def one(spec, dtype=torch.float32, device="cpu", compiled=False, have=ALL, integ
 def test_float_layers_take_the_reductions_only_compiled_on_the_cpu():
     assert one(FLOAT) is nn.Linear
     assert one(FLOAT, device="cuda", compiled=True) is nn.Linear
-    assert one(FLOAT, compiled=True) is RowsLinear
-    assert one(FLOAT, compiled=True, have=Kernels()) is ReductionLinear
-    assert one(FLOAT, torch.bfloat16, compiled=True) is ReductionLinear
-    assert one(LayerSpec(64, 64, row_major=False), compiled=True) is ReductionLinear
+    assert one(FLOAT, compiled=True) is FewRowsLinear
+    assert one(FLOAT, compiled=True, have=Kernels()) is MulSumLinear
+    assert one(FLOAT, torch.bfloat16, compiled=True) is MulSumLinear
+    assert one(LayerSpec(64, 64, row_major=False), compiled=True) is MulSumLinear
 
 
 def test_float32_layers_become_row_exact_where_asked_and_the_kernels_can():
@@ -61,7 +61,7 @@ def test_int8_on_torchs_kernel_the_widening_path_or_the_integer_kernels():
     assert one(INT8, device="cuda", integer=True) is Int8Linear
     assert one(INT8, integer=True) is Int8DotLinear
     assert one(INT8, torch.float16, integer=True) is Int8Linear
-    assert one(LayerSpec(64, 64, "int8", 16), integer=True) is Int8SixteensDotLinear
+    assert one(LayerSpec(64, 64, "int8", 16), integer=True) is Int8Group16DotLinear
     assert one(LayerSpec(64, 64, "int8", 8), integer=True) is Int8Linear  # no blocks of 32
     assert one(INT8, integer=True, have=Kernels(int8pack=True)) is Int8KernelLinear  # ours could not be loaded
 
