@@ -217,7 +217,7 @@ class Scheduler:
                 continue
             kept = list(accepted[k]) if piece.draft and k < len(accepted) else []
             seq.computed = piece.start + (1 + len(kept) if piece.draft else piece.n)
-            tokens = seq.tokens + kept
+            tokens = seq.tokens + kept if kept else seq.tokens  # no copy of a long sequence where none was kept
             entered += [(seq, i, tokens) for i in self.pool.commit(seq.blocks, tokens, seq.computed)]
             if piece.draft:  # the blocks past the next position held only rejected tokens
                 keep = self.pool.blocks_for(seq.computed + 1)
