@@ -116,14 +116,30 @@ def rotation_pairs(freqs_cis: torch.Tensor) -> torch.Tensor:
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate each adjacent pair (x[2i], x[2i+1]) of every head, read as one complex number: Meta's layout.
 
+    Eagerly as torch's complex product (three ops); while a step is compiled, written out in real numbers
+    (`rotate_written_out`), which the compiler fuses into the kernels around it where it would call torch's
+    dispatcher for every complex op, ten calls a layer.
+
     Args:
         x: (bsz, seqlen, n_heads, head_dim).
         freqs_cis: (seqlen, head_dim // 2) complex rotations shared by every row, or (bsz, seqlen, head_dim // 2)
             for rows at positions of their own.
     """
+    if being_traced(x):
+        return rotate_written_out(x, freqs_cis)
     x_complex = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (bsz, seqlen, n_heads, head_dim // 2)
     freqs = torch.view_as_complex(rotation_pairs(freqs_cis))
     rotated = torch.view_as_real(x_complex * freqs)  # (bsz, seqlen, n_heads, head_dim // 2, 2)
+    return rotated.flatten(-2).type_as(x)
+
+
+def rotate_written_out(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary_emb`'s rotation with the complex product written out, one rounding per operation, so that every
+    element is rounded alike wherever it falls (torch's complex multiply rounds its SIMD body and its tail apart)."""
+    real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (bsz, seqlen, n_heads, head_dim // 2)
+    freqs = rotation_pairs(freqs_cis)
+    cos, sin = freqs[..., 0], freqs[..., 1]
+    rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
     return rotated.flatten(-2).type_as(x)
 
 

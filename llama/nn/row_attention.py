@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from llama.model import RMSNorm, Rotary, ScaledDotProductAttention, rotation_pairs
+from llama.model import RMSNorm, Rotary, ScaledDotProductAttention, rotate_written_out
 
 # Query rows (a KV head's, grouped-query heads folded in) up to which attention on the CPU runs `llama_kv.attention`
 # rather than torch's fused kernel: a decode step's. It reads a bf16 cache's rows as they are, where converting them
@@ -58,16 +58,12 @@ class RowExactAttention(KernelAttention):
 
 
 class RowExactRotary(Rotary):
-    """The same rotation as its base class, the complex product written out with one rounding per operation,
-    so every element is rounded alike wherever it falls. About 35 us a call slower than the complex product on
-    the default model's shapes (eager, one thread), which is why the float paths keep that one."""
+    """The same rotation as its base class, written out in real numbers eagerly too (`rotate_written_out`). About
+    35 us a call slower than the complex product on the default model's shapes (eager, one thread), which is why
+    the float paths keep that one when they run eagerly."""
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        real, imag = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (bsz, seqlen, n_heads, head_dim // 2)
-        freqs = rotation_pairs(freqs_cis)
-        cos, sin = freqs[..., 0], freqs[..., 1]
-        rotated = torch.stack([real * cos - imag * sin, real * sin + imag * cos], dim=-1)
-        return rotated.flatten(-2).type_as(x)
+        return rotate_written_out(x, freqs_cis)
 
 
 class RowExactRMSNorm(RMSNorm):
