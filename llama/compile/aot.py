@@ -52,8 +52,8 @@ MAX_VERIFY_TOKENS = 17
 
 
 def quiet_inductor() -> None:
-    """Hold back Inductor's messages about its own choices, for the rest of the process: the rotary
-    embedding's complex product, and with the C++ wrapper some view ops, go through slower generic calls.
+    """Hold back Inductor's messages about its own choices, for the rest of the process: the rotations' complex
+    table (`rope_cis`), and with the C++ wrapper some view ops, go through slower generic calls.
     That is its business, not the user's, and it would print them at every compilation."""
     logging.getLogger("torch._inductor.ir").setLevel(logging.ERROR)
     # "on error, temporary cache dir kept at ...": a failed build (no compiler) is reported in our own words.
