@@ -388,6 +388,23 @@ def write_gguf(model, path: Path) -> Path:
     return path
 
 
+def uncached_in_one_pass(llama: Llama, ids: List[List[int]], cached: List[List[int]]):
+    """What the uncached steps of `cached`'s greedy runs compute, in one pass without the cache: every row (its prompt
+    and its tokens but the last, right-padded) from position 0, each step's logits read at the position that step
+    would end at. Only on row-exact paths, where a position's logits depend neither on the positions after it (the
+    mask hides them) nor on the rows beside it. Per row: (the greedy tokens, their log-probabilities)."""
+    rows = [row + tokens[:-1] for row, tokens in zip(ids, cached)]
+    width = max(len(row) for row in rows)
+    batch = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(llama.model(batch, 0), dim=-1)  # (rows, width, vocab)
+    out = []
+    for k, (row, tokens) in enumerate(zip(ids, cached)):
+        steps = logprobs[k, len(row) - 1:len(row) - 1 + len(tokens)]  # (len(tokens), vocab)
+        out.append((steps.argmax(-1).tolist(), steps.gather(1, torch.tensor(tokens)[:, None])[:, 0].double()))
+    return out
+
+
 def without_kernels(llama: Llama) -> Llama:
     """A copy of a loaded model whose quantized layers take the exact fallback (widening the weight), as a
     torch without the private quantized kernels would run it."""

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
@@ -22,6 +21,8 @@ import torch
 from llama import Llama, kernels
 from llama.convert.fetch import default_model_dir
 from llama.runtime import threads
+
+from helpers import uncached_in_one_pass
 
 pytestmark = pytest.mark.slow
 
@@ -129,33 +130,16 @@ def test_a_step_on_one_thread_or_two_gives_the_same_bits(llama, monkeypatch):
 def test_an_int8_kv_cache_keeps_the_switch_exact_on_float32_weights():
     """`--kv-cache-dtype int8` on the default model's float32 weights, in the default mode: every product row-exact
     (RowExactLinear, llama/quant/linears.py), so cached and uncached give the same tokens and log-probabilities bit
-    for bit. The uncached side is `_uncached_in_one_pass` (the generation loop without the cache is the same as
+    for bit. The uncached side is `uncached_in_one_pass` (the generation loop without the cache is the same as
     the test above runs in full on these prompts; each of its steps here would be a float32 pass over a batch of 8)."""
     llama = _build(None, kv_cache_dtype="int8")
     assert llama.info.layer_plan.row_exact
     ids = [llama.tokenizer.encode(prompt, bos=True, eos=False) for prompt in PROMPTS]
     cached = [_greedy(llama, row, kv_cache=True) for row in ids]
-    uncached = _uncached_in_one_pass(llama, ids, [tokens for tokens, _ in cached])
+    uncached = uncached_in_one_pass(llama, ids, [tokens for tokens, _ in cached])
     for prompt, (tokens, lp_cached), (argmax, lp_uncached) in zip(PROMPTS, cached, uncached):
         assert argmax == tokens, prompt
         assert torch.equal(lp_uncached, lp_cached), (prompt, (lp_uncached - lp_cached).abs().max().item())
-
-
-def _uncached_in_one_pass(llama: Llama, ids: List[List[int]], cached: List[List[int]]):
-    """What the uncached steps of `cached`'s greedy runs compute, in one pass without the cache: every row (its prompt
-    and its tokens but the last, right-padded) from position 0, each step's logits read at the position that step
-    would end at. Only on row-exact paths, where a position's logits depend neither on the positions after it (the
-    mask hides them) nor on the rows beside it. Per row: (the greedy tokens, their log-probabilities)."""
-    rows = [row + tokens[:-1] for row, tokens in zip(ids, cached)]
-    width = max(len(row) for row in rows)
-    batch = torch.tensor([row + [0] * (width - len(row)) for row in rows])
-    with torch.inference_mode():
-        logprobs = torch.log_softmax(llama.model(batch, 0), dim=-1)  # (rows, width, vocab)
-    out = []
-    for k, (row, tokens) in enumerate(zip(ids, cached)):
-        steps = logprobs[k, len(row) - 1:len(row) - 1 + len(tokens)]  # (len(tokens), vocab)
-        out.append((steps.argmax(-1).tolist(), steps.gather(1, torch.tensor(tokens)[:, None])[:, 0].double()))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -168,12 +152,12 @@ def paths():
 @pytest.mark.parametrize("llama", ["int8", "int4"], indirect=True)  # the models of the test above, not loaded again
 def test_every_kernel_path_keeps_the_switch_exact(llama, paths):
     """Each path the CPU has, forced as LLAMA_KERNEL_PATH forces it, through the same stored step. The uncached side
-    is `_uncached_in_one_pass`, so that the scalar path stays affordable."""
+    is `uncached_in_one_pass`, so that the scalar path stays affordable."""
     for path in paths:
         with kernels.options(path=path):
             for prompt in PATH_PROMPTS:
                 ids = llama.tokenizer.encode(prompt, bos=True, eos=False)
                 cached, lp_cached = _greedy(llama, ids, kv_cache=True, n=PATH_TOKENS)
-                ((argmax, lp_uncached),) = _uncached_in_one_pass(llama, [ids], [cached])
+                ((argmax, lp_uncached),) = uncached_in_one_pass(llama, [ids], [cached])
                 assert argmax == cached, (path, prompt)
                 assert torch.equal(lp_uncached, lp_cached), (path, prompt, (lp_uncached - lp_cached).abs().max().item())
