@@ -412,7 +412,8 @@ class AheadOfTimeStep(_StoredSteps):
 
 
 # The server's batch sizes, in the ranges one package each serves: the linear layers take one path per range
-# (llama/quant/linears.py: Inductor's reduction for one row, llama_kv.f32_linear up to FEW_ROWS_MAX, GEMM above).
+# (llama/quant/linears.py: llama_kv.f32_linear up to FEW_ROWS_MAX rows, GEMM above), and one row has a package whose
+# sizes are all fixed.
 _PAGED_RANGES = ((1, 1), (2, 16), (17, 1 << 16))
 
 

@@ -68,23 +68,22 @@ class MulSumLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-# From 2 up to this many rows, a compiled float32 step on the CPU multiplies with llama_kv.f32_linear, which reads
-# each weight row once for all of them; from 16 rows on MKL's GEMM is as fast (docs/benchmarks.md).
+# Up to this many rows, a compiled float32 step on the CPU multiplies with llama_kv.f32_linear, which reads each weight
+# row once for all of them; from 16 rows on MKL's GEMM is as fast (docs/benchmarks.md).
 FEW_ROWS_MAX = 16
 
 
 class FewRowsLinear(MulSumLinear):
-    """MulSumLinear whose products of 2-16 float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
+    """MulSumLinear whose products of 1-16 float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
 
-    Decoding a batch multiplies one row per sequence by every weight matrix: the kernel reads each weight row
-    once for all of them, where MKL reads the weights again for each tile of rows and Inductor's reduction
-    once per row (a batch decodes faster: docs/benchmarks.md, "Figures behind the code"). One row stays on Inductor's
-    reduction, which fuses with the steps around it and measured faster inside the step. Weights row-major, as
-    the compiled step stores them.
+    Decoding multiplies one row per sequence by every weight matrix: the kernel reads each weight row once for all
+    of them, where MKL reads the weights again for each tile of rows and Inductor's reduction once per row, one
+    running sum at a time (a batch decodes faster, and one row too: docs/benchmarks.md, "Figures behind the code").
+    Weights row-major, as the compiled step stores them.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if 1 < _rows(x) <= FEW_ROWS_MAX:
+        if 0 < _rows(x) <= FEW_ROWS_MAX:
             out = torch.ops.llama_kv.f32_linear(x, self.weight)
             return out if self.bias is None else out + self.bias
         return super().forward(x)
