@@ -73,20 +73,20 @@ class MulSumLinear(nn.Linear):
 FEW_ROWS_MAX = 16
 
 
-class FewRowsLinear(MulSumLinear):
-    """MulSumLinear whose products of 1-16 float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
+class FewRowsLinear(nn.Linear):
+    """nn.Linear whose products of 1-16 float32 rows run on `torch.ops.llama_kv.f32_linear` (llama/kernels).
 
     Decoding multiplies one row per sequence by every weight matrix: the kernel reads each weight row once for all
-    of them, where MKL reads the weights again for each tile of rows and Inductor's reduction once per row, one
-    running sum at a time (a batch decodes faster, and one row too: docs/benchmarks.md, "Figures behind the code").
-    Weights row-major, as the compiled step stores them.
+    of them, where MKL reads the weights again for each tile of rows and Inductor's reduction (MulSumLinear) once
+    per row, one running sum at a time (a batch decodes faster, and one row too: docs/benchmarks.md, "Figures behind
+    the code"). More rows, a prompt's, take F.linear. Weights row-major, as the compiled step stores them.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < _rows(x) <= FEW_ROWS_MAX:
             out = torch.ops.llama_kv.f32_linear(x, self.weight)
             return out if self.bias is None else out + self.bias
-        return super().forward(x)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowExactLinear(nn.Linear):
