@@ -16,10 +16,12 @@ llama.cpp: its llama-bench, built once into --cache_dir from the llama-cpp-pytho
 (scripts/bench_server.py's `build_llama_cpp`, cmake and a C++ compiler needed), on GGUFs its own llama-quantize
 makes from the shipped Q4_1 file (F32 and Q8_0 for none and int8; for int4 Q4_1 with the embedding and output layer
 in Q8_0, the weights `--quantize int4` holds, and the all-Q4_0 file people download): `-p N -n 0` and
-`-p 0 -n 128 -d N`, each with flash attention off and on (`-fa 0,1`), the faster counted. --ik_llama_bench names
-ik_llama.cpp's llama-bench (built from github.com/ikawrakow/ik_llama.cpp with cmake), run alike with `-rtr 1`
-(weights repacked at load) and, as its llama-bench has no `-d`, `-gp N,128` for decode after N. Each runner's repeats are its
-own (llama-bench's `-r`); ours alternate with llama.cpp's per --quantize. Medians, tokens/s.
+`-p 0 -n 128 -d N`, each with flash attention off and on (`-fa 0,1`), the faster counted. Where the native build
+stops with an illegal instruction in its AMX kernels (a CPU that reports AMX and does not run it, as some virtual
+machines do), a note says so and a build without AMX measures from then on. --ik_llama_bench names ik_llama.cpp's
+llama-bench (built from github.com/ikawrakow/ik_llama.cpp with cmake), run alike with `-rtr 1` (weights repacked at
+load) and, as its llama-bench has no `-d`, `-gp N,128` for decode after N. Each runner's repeats are its own
+(llama-bench's `-r`); ours alternate with llama.cpp's per --quantize. Medians, tokens/s.
 
 Before the runners, the machine's memory rate on the same threads (1 GiB on 2 MiB pages, as the weights are held,
 summed and copied), and after each of ours the weights a decode step reads (every parameter and buffer but the
@@ -38,6 +40,7 @@ into --cache_dir; ours reads the F32 one and quantizes it with --quantize.
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -122,6 +125,17 @@ def weight_bytes(llama: Llama) -> int:
     return sum(seen.values())
 
 
+class IllegalInstruction(RuntimeError):
+    """A llama-bench stopped by SIGILL: its build uses an instruction this CPU reports but does not run."""
+
+
+def _reports_amx() -> bool:
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int], new_tokens: int, threads: int,
                 repeats: int, extra: List[str], depth_flag: bool = True) -> Dict[str, float]:
     """{"pp N": tokens/s, "tg N": tokens/s} from a llama-bench, the faster of flash attention off and on.
@@ -136,7 +150,10 @@ def llama_bench(binary: Path, gguf: Path, prompts: List[int], contexts: List[int
         decode += [arg for n in contexts if n for arg in ("-gp", f"{n},{new_tokens}")]
     rates: Dict[str, float] = {}
     for args in (["-p", ",".join(map(str, prompts)), "-n", "0"], decode):
-        result = subprocess.run(common + args, capture_output=True, text=True, check=True)
+        result = subprocess.run(common + args, capture_output=True, text=True)
+        if result.returncode == -signal.SIGILL:
+            raise IllegalInstruction(f"{binary} died with an illegal instruction on {gguf.name}")
+        result.check_returncode()
         for test in json.loads(result.stdout):
             if test["n_gen"]:  # -d N records n_depth; -gp N,n records the context as n_prompt
                 key = f"tg {test.get('n_depth', test['n_prompt'])}"
@@ -176,6 +193,22 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
                          "drop --nollamacpp or name --ik_llama_bench")
     ours_model = f32_gguf(quantizer_dir, cache, threads, "F32", source) if source is not None else None
     keys = [f"pp {n}" for n in prompt_counts] + [f"tg {n}" for n in context_counts]
+    llamacpp_dir = bin_dir
+
+    def llamacpp_bench(gguf: Path) -> Dict[str, float]:
+        """llama.cpp's llama-bench on `gguf`; where its native build stops in AMX instructions this CPU reports but
+        does not run, its build without them from then on (a note says so)."""
+        nonlocal llamacpp_dir
+        args = (gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])
+        try:
+            return llama_bench(llamacpp_dir / "llama-bench", *args)
+        except IllegalInstruction as e:
+            if llamacpp_dir != bin_dir or not _reports_amx():
+                raise SystemExit(f"llama.cpp: {e}") from None
+            print(f"note: {e}, in its AMX kernels; llama.cpp from here on is its build without AMX", flush=True)
+            llamacpp_dir = build_llama_cpp(cache, threads, targets=("llama-bench",), amx=False)
+            return llama_bench(llamacpp_dir / "llama-bench", *args)
+
     with busy_processes(busy):
         bandwidth = memory_bandwidth()
         print(f"{ours_model or 'the default model'}: tokens/s, {threads} threads; pp N: a prompt of N tokens; "
@@ -194,8 +227,7 @@ def main(prompts="512,2048,8192", contexts="0,2048,8192", new_tokens: int = 128,
                 gguf = f32_gguf(quantizer_dir, cache, threads, gguf_type, source, output_type)
                 label = gguf_type + (f" ({output_type.upper()} output)" if output_type else "")
                 if bin_dir is not None:
-                    runners[f"llama.cpp {label}"] = lambda gguf=gguf: llama_bench(
-                        bin_dir / "llama-bench", gguf, prompt_counts, context_counts, new_tokens, threads, repeats, [])
+                    runners[f"llama.cpp {label}"] = lambda gguf=gguf: llamacpp_bench(gguf)
                 if ik_llama_bench:
                     runners[f"ik_llama.cpp {label}"] = lambda gguf=gguf: llama_bench(
                         Path(ik_llama_bench), gguf, prompt_counts, context_counts, new_tokens, threads, repeats,

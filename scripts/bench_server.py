@@ -99,12 +99,21 @@ def start_ours(ckpt_dir: Optional[str], threads: int, parallel: int, max_seq_len
     return proc
 
 
-def build_llama_cpp(cache_dir: Path, threads: int, targets=("llama-server", "llama-quantize")) -> Path:
-    """llama.cpp's tools (`targets`), built once from the llama-cpp-python sdist's vendored tree."""
+# Compiler flags of llama.cpp's build without AMX (`build_llama_cpp(amx=False)`): explicit -mno-* flags win over
+# the -march=native of GGML_NATIVE, whatever their order.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def build_llama_cpp(cache_dir: Path, threads: int, targets=("llama-server", "llama-quantize"),
+                    amx: bool = True) -> Path:
+    """llama.cpp's tools (`targets`), built once from the llama-cpp-python sdist's vendored tree for this CPU
+    (GGML_NATIVE); `amx=False`: without AMX instructions, into a build directory of its own, for a CPU that reports
+    AMX but stops its AMX kernels with an illegal instruction (as some virtual machines' do)."""
     from llama.convert.llama2_vocab import SDIST_REQUIREMENT
     from llama.convert.pip_fetch import pip_download
 
-    bin_dir = cache_dir / "build" / "bin"
+    build = cache_dir / ("build" if amx else "build-noamx")
+    bin_dir = build / "bin"
     if all((bin_dir / target).exists() for target in targets):
         return bin_dir
     for tool in ("cmake", "c++"):
@@ -119,10 +128,11 @@ def build_llama_cpp(cache_dir: Path, threads: int, targets=("llama-server", "lla
         vendored = next((cache_dir / "unpacked").glob("*/vendor/llama.cpp"))
         shutil.rmtree(src, ignore_errors=True)
         shutil.move(str(vendored), src)
-    print(f"building llama.cpp's {' and '.join(targets)} (minutes) ...", file=sys.stderr, flush=True)
-    build = cache_dir / "build"
+    print(f"building llama.cpp's {' and '.join(targets)}{'' if amx else ' without AMX'} (minutes) ...", file=sys.stderr,
+          flush=True)
+    flags = [] if amx else [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"], check=True)
+                    "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON", *flags], check=True)
     subprocess.run(["cmake", "--build", str(build), "--target", *targets, "-j", str(threads)], check=True)
     return bin_dir
 
