@@ -31,6 +31,12 @@ def attention(q, k, v, mask):
     return torch.ops.llama_kv.attention(q, k, v, mask)
 
 
+def op_paths():
+    """The op's own paths among those this CPU runs: the scalar loop, AVX2 (which the VNNI paths below AVX-512 take
+    too) and AVX-512."""
+    return [path for path in kernels.cpu_paths() if path in ("scalar", "avx2", "avx512vnni")]
+
+
 def causal(n_rows: int, n_keys: int, dtype=torch.float32) -> torch.Tensor:
     """(n_rows, n_keys) additive mask of the last n_rows positions of n_keys."""
     pos = torch.arange(n_keys - n_rows, n_keys)
@@ -66,7 +72,7 @@ def test_attention_is_float64_attention_within_rounding(dtype, n, d):
 
 def test_a_mask_per_row_with_holes_and_values():
     """A (B, 1, Nq, Nk) mask with finite values and -inf holes anywhere (not only causal), and a row whose keys
-    are all in one block: the same as float64 attention, each row as computed alone."""
+    are all in one block: the same as float64 attention, each row as computed alone, the same bits on every path."""
     b, h, n, d = 2, 2, 150, 32
     q, k, v = qkv(b, h, n, n, d, seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -80,6 +86,9 @@ def test_a_mask_per_row_with_holes_and_values():
     for i in (0, 7, 64, n - 1):
         alone = attention(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1])
         assert torch.equal(alone, got[:, :, i:i + 1])
+    for path in op_paths():
+        with kernels.options(path=path):
+            assert torch.equal(attention(q, k, v, mask), got), path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -150,8 +159,8 @@ def test_a_decode_step_shared_among_threads_gives_the_bits_of_a_head_among_many(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 24, 21])
 def test_the_scalar_loop_gives_the_bits_of_every_other_path(dtype, d):
-    """The plain loop is the reference; the AVX2 path (rows in tiles, products in registers) equals it, in
-    whole vectors of 16 and of 8 and with a tail of D."""
+    """The plain loop is the reference; the AVX2 and AVX-512 paths (rows in tiles, products in registers) equal
+    it, in whole vectors of 64, 16 and 8 values and with a tail of D."""
     n = 300
     q, k, v = qkv(2, 3, n, n, d, dtype, seed=5)
     mask = causal(n, n, dtype)
@@ -191,7 +200,7 @@ def test_attention_over_int8_rows_is_attention_over_them_dequantized():
             v = store_kv(torch.randn(bsz, heads, n_k, head_dim, generator=random), torch.int8)
             mask = torch.zeros(bsz, 1, n_q, n_k)
             mask[..., n_k // 2 + 1:] = float("-inf")
-            for path in kernels.cpu_paths()[:2]:  # scalar, and AVX2 where the CPU has it
+            for path in op_paths():
                 with kernels.options(path=path):
                     rows = attention(q, k, v, mask)
                     floats = attention(q, load_kv(k, head_dim, torch.float32), load_kv(v, head_dim, torch.float32), mask)
@@ -210,7 +219,7 @@ def test_attention_over_bfloat16_rows_under_float32_queries_is_attention_over_th
         k, v = (torch.randn(bsz, heads, n_k, head_dim, generator=random).bfloat16() for _ in range(2))
         mask = torch.zeros(bsz, 1, n_q, n_k)
         mask[..., n_k // 2 + 1:] = float("-inf")
-        for path in kernels.cpu_paths()[:2]:
+        for path in op_paths():
             with kernels.options(path=path):
                 assert torch.equal(attention(q, k, v, mask), attention(q, k.float(), v.float(), mask)), (n_k, path)
     with pytest.raises(RuntimeError, match="int8 or bfloat16 rows"):

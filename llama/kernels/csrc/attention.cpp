@@ -43,8 +43,10 @@
 // float32, which is exact) run the same operations 8 lanes at a time, and up to kRowTile rows of one (b, h) meet
 // each key block together, so that the block's keys and values are read from the cache once for all of them:
 // each row's operations and their order are still exactly those above, so the scalar loop and the AVX2 one give
-// the same bits, and a row gives the same bits alone (a cached step) as among all rows (an uncached pass). For
-// finite inputs: NaNs propagate, but not necessarily with the same bits on both paths.
+// the same bits, and a row gives the same bits alone (a cached step) as among all rows (an uncached pass). With
+// AVX-512 (the kernels' avx512vnni path) the same tile runs 16 lanes at a time: two keys' 8 lanes of a product in
+// one vector, 16 values or weights at once, the same bits again (attention_tile.inc holds the tile for both). For
+// finite inputs: NaNs propagate, but not necessarily with the same bits on every path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
@@ -365,140 +367,159 @@ struct Tile {
   Tile(int64_t D) : q(kRowTile * D), s(kRowTile * kKeyBlock), e(kRowTile * kKeyBlock), k(kKeyBlock * D), v(kKeyBlock * D) {}
 };
 
-// Rows i0 .. i1 of (b, h) together over keys j_begin .. j_end, into their states st[0 .. i1 - i0): each row exactly
-// `attend_part_row`'s operations in its order.
-template <typename T, typename KV>
-LK_AVX2 void attend_tile_avx2(const Rows<T, KV>& a, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t j_begin,
-                              int64_t j_end, Tile& t, float* const* st) {
-  constexpr bool wide = std::is_same<KV, float>::value;  // keys and values read in place; else widened a block at a time
-  const int64_t D = a.D, R = i1 - i0;
-  const bool lanes = D % 8 == 0;  // the tiled products need whole vectors; else each key alone, via dot_avx2
-  float *q[kRowTile], *acc[kRowTile], *s[kRowTile], *e[kRowTile];
-  float m[kRowTile], l[kRowTile];
-  for (int64_t r = 0; r < R; r++) {
-    q[r] = t.q.data() + r * D, acc[r] = state_values(st[r]);
-    s[r] = t.s.data() + r * kKeyBlock, e[r] = t.e.data() + r * kKeyBlock;
-    widen(a.q + b * a.qs[0] + h * a.qs[1] + (i0 + r) * a.qs[2], q[r], D);
-    std::fill(acc[r], acc[r] + D, 0.0f);
-    m[r] = kHidden, l[r] = 0.0f;
+// e[0 .. n) = exp(s_j - m), and their sum as `dot` sums (8 lanes, key j in lane j mod 8, then the tree). A hidden
+// key's weight is +0, which changes no sum: adding it is skipping it.
+LK_AVX2 inline float finish_weights(__m256 sum8, const float* s, float* e, int64_t j, int64_t n, float m) {
+  float lane[8];
+  _mm256_storeu_ps(lane, sum8);
+  for (int c = 0; j < n; j++, c++) {
+    e[j] = exp_neg(s[j] - m);
+    lane[c] += e[j];
   }
-  const KV* kb = a.k + b * a.ks[0] + h * a.ks[1];
-  const KV* vb = a.v + b * a.vs[0] + h * a.vs[1];
-  const int64_t row_bytes = (std::is_same<KV, int8_t>::value ? D + 4 * a.nb : D) * int64_t(sizeof(KV));
-  for (int64_t j0 = j_begin; j0 < j_end; j0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, j_end - j0);
-    // Each row's mask over the block into its scores: whole (every key seen), partly seen, or not at all.
-    int full[kRowTile], part[kRowTile], nfull = 0, npart = 0;
-    for (int64_t r = 0; r < R; r++) {
-      const int64_t seen = mask_block(a, b, i0 + r, j0, n, s[r]);
-      if (seen == n) full[nfull++] = int(r);
-      else if (seen > 0) part[npart++] = int(r);
-    }
-    if (nfull + npart == 0) continue;
-    // Where each key is read once (a decode step: the cache streams from memory), the next block's keys and values
-    // are asked for now, so that memory reads them while this one is computed (at 8,192 keys: 1.15-1.3x). A prompt's
-    // tiles reread keys that sit in L2, and asking ahead would push the block in use out of L1.
-    if (a.stream && j0 + kKeyBlock < a.Nk) {
-      const int64_t jp = j0 + kKeyBlock, nn = std::min(kKeyBlock, a.Nk - jp);
-      prefetch_rows(kb + jp * a.ks[2], a.ks[2], nn, row_bytes);
-      prefetch_rows(vb + jp * a.vs[2], a.vs[2], nn, row_bytes);
-    }
-    const float *kp, *vp;
-    int64_t kstride, vstride;
-    if constexpr (wide) {
-      kp = kb + j0 * a.ks[2], kstride = a.ks[2], vp = vb + j0 * a.vs[2], vstride = a.vs[2];
-    } else {
-      for (int64_t j = 0; j < n; j++) {
-        widen_row(a, kb + (j0 + j) * a.ks[2], t.k.data() + j * D);
-        widen_row(a, vb + (j0 + j) * a.vs[2], t.v.data() + j * D);
-      }
-      kp = t.k.data(), kstride = D, vp = t.v.data(), vstride = D;
-    }
-    // Scores: rows seen whole two at a time against 4 keys at a time; the rest key by key.
-    int64_t jt = 0;
-    if (lanes) {
-      jt = n / 4 * 4;
-      int f = 0;
-      for (; f + 2 <= nfull; f += 2) {
-        const float* qq[2] = {q[full[f]], q[full[f + 1]]};
-        for (int64_t j = 0; j < jt; j += 4) {
-          float* ss[2] = {s[full[f]] + j, s[full[f + 1]] + j};
-          dots_x4<2>(qq, kp + j * kstride, kstride, D, a.scale, ss);
-        }
-      }
-      if (f < nfull) {
-        const float* qq[1] = {q[full[f]]};
-        for (int64_t j = 0; j < jt; j += 4) {
-          float* ss[1] = {s[full[f]] + j};
-          dots_x4<1>(qq, kp + j * kstride, kstride, D, a.scale, ss);
-        }
-      }
-    }
-    for (int f = 0; f < nfull; f++)
-      for (int64_t j = jt; j < n; j++) s[full[f]][j] += dot_avx2(q[full[f]], kp + j * kstride, D) * a.scale;
-    for (int p = 0; p < npart; p++)
-      for (int64_t j = 0; j < n; j++)
-        if (s[part[p]][j] != kHidden) s[part[p]][j] += dot_avx2(q[part[p]], kp + j * kstride, D) * a.scale;
-    // Each seen row: its max, rescaled sums, weights, and their sum in key order.
-    for (int u = 0; u < nfull + npart; u++) {
-      const int r = u < nfull ? full[u] : part[u - nfull];
-      __m256 bm8 = _mm256_set1_ps(kHidden);
-      int64_t j = 0;
-      for (; j + 8 <= n; j += 8) bm8 = _mm256_max_ps(bm8, _mm256_loadu_ps(s[r] + j));
-      float top[8];
-      _mm256_storeu_ps(top, bm8);
-      float bm = kHidden;
-      for (int c = 0; c < 8; c++) bm = std::max(bm, top[c]);
-      for (; j < n; j++) bm = std::max(bm, s[r][j]);
-      if (bm > m[r]) {
-        const float alpha = exp_neg(m[r] - bm);
-        l[r] *= alpha;
-        const __m256 a8 = _mm256_set1_ps(alpha);
-        int64_t d = 0;
-        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(acc[r] + d, _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d), a8));
-        for (; d < D; d++) acc[r][d] *= alpha;
-        m[r] = bm;
-      }
-      const __m256 m8 = _mm256_set1_ps(m[r]);
-      // The block's sum of weights as `dot` sums: 8 lanes, then the tree (a hidden key's weight is +0, which
-      // changes no sum: adding it is skipping it).
-      __m256 sum8 = _mm256_setzero_ps();
-      for (j = 0; j + 8 <= n; j += 8) {
-        const __m256 e8 = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s[r] + j), m8));
-        _mm256_storeu_ps(e[r] + j, e8);
-        sum8 = _mm256_add_ps(sum8, e8);
-      }
-      float lane[8];
-      _mm256_storeu_ps(lane, sum8);
-      for (int c = 0; j < n; j++, c++) {
-        e[r][j] = exp_neg(s[r][j] - m[r]);
-        lane[c] += e[r][j];
-      }
-      l[r] += ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-    }
-    // Values: rows seen whole four at a time, sharing each load of v; the others key by key.
-    if (lanes) {
-      int f = 0;
-      for (; f + 4 <= nfull; f += 4) {
-        float* aa[4] = {acc[full[f]], acc[full[f + 1]], acc[full[f + 2]], acc[full[f + 3]]};
-        const float* ee[4] = {e[full[f]], e[full[f + 1]], e[full[f + 2]], e[full[f + 3]]};
-        values_rows<4>(aa, ee, vp, vstride, n, D);
-      }
-      for (; f < nfull; f++) {
-        float* aa[1] = {acc[full[f]]};
-        const float* ee[1] = {e[full[f]]};
-        values_rows<1>(aa, ee, vp, vstride, n, D);
-      }
-    } else {
-      for (int f = 0; f < nfull; f++)
-        for (int64_t j = 0; j < n; j++) add_scaled(acc[full[f]], e[full[f]][j], vp + j * vstride, D);
-    }
-    for (int p = 0; p < npart; p++)
-      for (int64_t j = 0; j < n; j++)
-        if (s[part[p]][j] != kHidden) add_scaled(acc[part[p]], e[part[p]][j], vp + j * vstride, D);
-  }
-  for (int64_t r = 0; r < R; r++) st[r][0] = m[r], st[r][1] = l[r];
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
+
+LK_AVX2 inline float weights_avx2(const float* s, float* e, int64_t n, float m) {
+  const __m256 m8 = _mm256_set1_ps(m);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e8 = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+    _mm256_storeu_ps(e + j, e8);
+    sum8 = _mm256_add_ps(sum8, e8);
+  }
+  return finish_weights(sum8, s, e, j, n, m);
+}
+
+#define LK_TILE_TARGET LK_AVX2
+#define LK_TILE attend_tile_avx2
+#define LK_KEYS 4
+#define LK_DOTS dots_x4
+#define LK_DOT_ROWS 2
+#define LK_VALUES values_rows
+#define LK_WEIGHTS weights_avx2
+#include "attention_tile.inc"
+#undef LK_TILE_TARGET
+#undef LK_TILE
+#undef LK_KEYS
+#undef LK_DOTS
+#undef LK_DOT_ROWS
+#undef LK_VALUES
+#undef LK_WEIGHTS
+
+// The same operations 16 lanes at a time. Each lane of `exp_neg16` does `exp_neg8`'s; the products hold two keys
+// in a vector, each half `dot_avx2`'s 8 lanes; values and weights are elementwise, 16 of them at a time.
+LK_AVX512F inline __m512 exp_neg16(__m512 x) {
+  const __mmask16 low = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpLow), _CMP_LT_OQ);
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(kLn2Hi))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(kLn2Lo)));
+  __m512 p = _mm512_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; i++) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kExpP[i]));
+  const __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(_mm512_knot(low), _mm512_mul_ps(y, _mm512_castsi512_ps(bits)));
+}
+
+LK_AVX512F inline __m256 low_half(__m512 x) { return _mm512_castps512_ps256(x); }
+LK_AVX512F inline __m256 high_half(__m512 x) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+}
+LK_AVX512F inline __m512 two_halves(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+
+// `dots_x4` for 8 keys: keys 2c and 2c + 1 in the halves of acc[r][c], each half `dot_avx2`'s lanes, then each
+// half's four keys summed by `dots_x4`'s horizontal adds.
+template <int NR>
+LK_AVX512F inline void dots_x8(const float* const* q, const float* k, int64_t kstride, int64_t D, float scale,
+                               float* const* s) {
+  __m512 acc[NR][4];
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 kv[4];
+    for (int c = 0; c < 4; c++)
+      kv[c] = two_halves(_mm256_loadu_ps(k + 2 * c * kstride + d), _mm256_loadu_ps(k + (2 * c + 1) * kstride + d));
+    for (int r = 0; r < NR; r++) {
+      const __m256 q8 = _mm256_loadu_ps(q[r] + d);
+      const __m512 qv = two_halves(q8, q8);
+      for (int c = 0; c < 4; c++) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(qv, kv[c]));
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    for (int g = 0; g < 2; g++) {  // keys 4g .. 4g + 3
+      const __m512 ab = acc[r][2 * g], cd = acc[r][2 * g + 1];
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(low_half(ab), high_half(ab)),
+                                      _mm256_hadd_ps(low_half(cd), high_half(cd)));
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+      _mm_storeu_ps(s[r] + 4 * g, _mm_add_ps(_mm_mul_ps(sums, _mm_set1_ps(scale)), _mm_loadu_ps(s[r] + 4 * g)));
+    }
+  }
+}
+
+// `values_tile` 16 values a vector: acc[r][d0 .. d0 + 16 NC) += e[r][j] * v_j, j in order.
+template <int NR, int NC>
+LK_AVX512F inline void values_tile512(float* const* acc, const float* const* e, const float* v, int64_t vstride,
+                                      int64_t n, int64_t d0) {
+  __m512 sum[NR][NC];
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < NC; c++) sum[r][c] = _mm512_loadu_ps(acc[r] + d0 + 16 * c);
+  for (int64_t j = 0; j < n; j++) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; c++) vv[c] = _mm512_loadu_ps(v + j * vstride + d0 + 16 * c);
+    for (int r = 0; r < NR; r++) {
+      const __m512 ev = _mm512_set1_ps(e[r][j]);
+      for (int c = 0; c < NC; c++) sum[r][c] = _mm512_add_ps(sum[r][c], _mm512_mul_ps(ev, vv[c]));
+    }
+  }
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc[r] + d0 + 16 * c, sum[r][c]);
+}
+
+template <int NR>
+LK_AVX512F void values_rows512(float* const* acc, const float* const* e, const float* v, int64_t vstride, int64_t n,
+                               int64_t D) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) values_tile512<NR, 4>(acc, e, v, vstride, n, d0);
+  for (; d0 + 16 <= D; d0 += 16) values_tile512<NR, 1>(acc, e, v, vstride, n, d0);
+  for (; d0 + 8 <= D; d0 += 8) values_tile<NR, 1>(acc, e, v, vstride, n, d0);
+}
+
+// `weights_avx2` 16 keys a vector: each vector's two halves added into the 8 lanes in key order.
+LK_AVX512F inline float weights_avx512(const float* s, float* e, int64_t n, float m) {
+  const __m512 m16 = _mm512_set1_ps(m);
+  __m256 sum8 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 e16 = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + j), m16));
+    _mm512_storeu_ps(e + j, e16);
+    sum8 = _mm256_add_ps(_mm256_add_ps(sum8, low_half(e16)), high_half(e16));
+  }
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e8 = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(e + j, e8);
+    sum8 = _mm256_add_ps(sum8, e8);
+  }
+  return finish_weights(sum8, s, e, j, n, m);
+}
+
+#define LK_TILE_TARGET LK_AVX512F
+#define LK_TILE attend_tile_avx512
+#define LK_KEYS 8
+#define LK_DOTS dots_x8
+#define LK_DOT_ROWS 4
+#define LK_VALUES values_rows512
+#define LK_WEIGHTS weights_avx512
+#include "attention_tile.inc"
+#undef LK_TILE_TARGET
+#undef LK_TILE
+#undef LK_KEYS
+#undef LK_DOTS
+#undef LK_DOT_ROWS
+#undef LK_VALUES
+#undef LK_WEIGHTS
 #endif
 
 // A thread's buffers: the scalar loop's row of q, key, value and scores, or the AVX2 path's tile.
@@ -532,9 +553,10 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   a.mi = mask ? mask->stride(per_row ? 2 : 0) : 0;
   a.mj = mask ? mask->stride(per_row ? 3 : 1) : 0;
   a.scale = 1.0f / std::sqrt(float(a.D));
-  bool avx2 = false;
+  bool avx2 = false, avx512 = false;
 #if LLAMA_KV_X86
   avx2 = kernel_path() >= kAvx2;
+  avx512 = kernel_path() >= kAvx512Vnni;
 #endif
   // Rows are taken in tiles of up to kRowTile rows of one (b, h), so that each key block is read from memory (and an
   // int8 one dequantized) once for all of them, not once a row; within a (b, h) tiles are taken from both ends in
@@ -555,6 +577,10 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   auto attend_part = [&](int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t p, Scratch& x, float* const* st) {
     const int64_t j_begin = p * kPart, j_end = std::min(j_begin + kPart, a.Nk);
 #if LLAMA_KV_X86
+    if (avx512) {
+      attend_tile_avx512(a, b, h, i0, i1, j_begin, j_end, *x.tile, st);
+      return;
+    }
     if (avx2) {
       attend_tile_avx2(a, b, h, i0, i1, j_begin, j_end, *x.tile, st);
       return;
