@@ -108,7 +108,7 @@ def build_llama_cpp(cache_dir: Path, threads: int, targets=("llama-server", "lla
                     amx: bool = True) -> Path:
     """llama.cpp's tools (`targets`), built once from the llama-cpp-python sdist's vendored tree for this CPU
     (GGML_NATIVE); `amx=False`: without AMX instructions, into a build directory of its own, for a CPU that reports
-    AMX but stops its AMX kernels with an illegal instruction (as some virtual machines' do)."""
+    AMX but stops its AMX kernels with an illegal instruction (as some virtual machines do)."""
     from llama.convert.llama2_vocab import SDIST_REQUIREMENT
     from llama.convert.pip_fetch import pip_download
 
