@@ -367,9 +367,15 @@ struct Tile {
   Tile(int64_t D) : q(kRowTile * D), s(kRowTile * kKeyBlock), e(kRowTile * kKeyBlock), k(kKeyBlock * D), v(kKeyBlock * D) {}
 };
 
-// e[0 .. n) = exp(s_j - m), and their sum as `dot` sums (8 lanes, key j in lane j mod 8, then the tree). A hidden
-// key's weight is +0, which changes no sum: adding it is skipping it.
+// e[j .. n) = exp(s_j - m), added onto `sum8`'s lanes, and the sum of all as `dot` sums (8 lanes, key j in lane
+// j mod 8, then the tree). A hidden key's weight is +0, which changes no sum: adding it is skipping it.
 LK_AVX2 inline float finish_weights(__m256 sum8, const float* s, float* e, int64_t j, int64_t n, float m) {
+  const __m256 m8 = _mm256_set1_ps(m);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e8 = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+    _mm256_storeu_ps(e + j, e8);
+    sum8 = _mm256_add_ps(sum8, e8);
+  }
   float lane[8];
   _mm256_storeu_ps(lane, sum8);
   for (int c = 0; j < n; j++, c++) {
@@ -380,15 +386,7 @@ LK_AVX2 inline float finish_weights(__m256 sum8, const float* s, float* e, int64
 }
 
 LK_AVX2 inline float weights_avx2(const float* s, float* e, int64_t n, float m) {
-  const __m256 m8 = _mm256_set1_ps(m);
-  __m256 sum8 = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e8 = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
-    _mm256_storeu_ps(e + j, e8);
-    sum8 = _mm256_add_ps(sum8, e8);
-  }
-  return finish_weights(sum8, s, e, j, n, m);
+  return finish_weights(_mm256_setzero_ps(), s, e, 0, n, m);
 }
 
 #define LK_TILE_TARGET LK_AVX2
@@ -399,13 +397,6 @@ LK_AVX2 inline float weights_avx2(const float* s, float* e, int64_t n, float m) 
 #define LK_VALUES values_rows
 #define LK_WEIGHTS weights_avx2
 #include "attention_tile.inc"
-#undef LK_TILE_TARGET
-#undef LK_TILE
-#undef LK_KEYS
-#undef LK_DOTS
-#undef LK_DOT_ROWS
-#undef LK_VALUES
-#undef LK_WEIGHTS
 
 // The same operations 16 lanes at a time. Each lane of `exp_neg16` does `exp_neg8`'s; the products hold two keys
 // in a vector, each half `dot_avx2`'s 8 lanes; values and weights are elementwise, 16 of them at a time.
@@ -497,11 +488,6 @@ LK_AVX512F inline float weights_avx512(const float* s, float* e, int64_t n, floa
     _mm512_storeu_ps(e + j, e16);
     sum8 = _mm256_add_ps(_mm256_add_ps(sum8, low_half(e16)), high_half(e16));
   }
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e8 = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(m)));
-    _mm256_storeu_ps(e + j, e8);
-    sum8 = _mm256_add_ps(sum8, e8);
-  }
   return finish_weights(sum8, s, e, j, n, m);
 }
 
@@ -513,13 +499,6 @@ LK_AVX512F inline float weights_avx512(const float* s, float* e, int64_t n, floa
 #define LK_VALUES values_rows512
 #define LK_WEIGHTS weights_avx512
 #include "attention_tile.inc"
-#undef LK_TILE_TARGET
-#undef LK_TILE
-#undef LK_KEYS
-#undef LK_DOTS
-#undef LK_DOT_ROWS
-#undef LK_VALUES
-#undef LK_WEIGHTS
 #endif
 
 // A thread's buffers: the scalar loop's row of q, key, value and scores, or the AVX2 path's tile.
