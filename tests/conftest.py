@@ -16,6 +16,13 @@ torch.set_num_threads(2)
 
 
 def pytest_configure(config):
+    # With workers side by side (pytest-xdist, this process starting them), their OpenMP threads sleep when idle
+    # instead of spinning: each worker computes on torch's two threads beside the others and the commands and servers
+    # its tests start, and spinning, libgomp's idle threads starve the very threads they wait for. Alone (`-n 0`) the
+    # spin pays. The figures are in the README's "Tests". libgomp reads this when torch loads it: it reaches the
+    # workers and what they start, not this process.
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # The tests compare commands, run as subprocesses, with models built here on the CPU (helpers.build): on a
     # machine with a GPU the commands must run on the CPU too. tests/test_cuda.py asks for the GPU by name.
     os.environ["LLAMA_DEVICE"] = "cpu"
