@@ -500,7 +500,7 @@ class Server:
                  launcher=(sys.executable, "-m", "llama.cli.server"), env=None):
         model = ["--ckpt-dir", str(ckpt)] if ckpt is not None else []  # None: the flags name it
         cmd = [*launcher, *model, "--port", "0", "--max-seq-len", str(max_seq_len), *map(str, flags)]
-        # Without the suite's OMP_WAIT_POLICY (conftest.py): the server sets how its workers wait itself, as it ships.
+        # Without OMP_WAIT_POLICY, which conftest.py sets for the workers: the server chooses its own spin, as it ships.
         inherited = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
         env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": "", **(env or {})}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
