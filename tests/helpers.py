@@ -29,6 +29,8 @@ from llama.io.random_weights import random_state_dict, write_random_checkpoint
 from llama.server.engine import Delta, Done, Failed
 from llama.tokenizer import Tokenizer
 
+import commands
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE_TOKENIZER = REPO / "tokenizer.model.example"
 # The console scripts installed beside this Python, or where PATH finds them when they are not (`pip install --target
@@ -190,8 +192,7 @@ def run(cmd: str, *args, input: str = None, env: dict = None, timeout: int = 300
         argv = [sys.executable, str(REPO / cmd)]
     else:
         argv = [str(BIN / cmd)]
-    return subprocess.run(argv + [str(a) for a in args], capture_output=True, text=True, input=input,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return commands.run(argv + [str(a) for a in args], env, input=input, timeout=timeout)
 
 
 def generate(ckpt: Path, *args, **kwargs) -> subprocess.CompletedProcess:
@@ -206,8 +207,7 @@ def generate_json(ckpt: Path, *args, nproc: int = 1, max_gen_len: int = 12) -> L
     cmd = [str(BIN / "llama-generate")]
     if nproc > 1:
         cmd = TORCHRUN + [f"--nproc_per_node={nproc}", "--no-python"] + cmd
-    result = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = commands.run(cmd + flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     return json_lines(result.stdout)
@@ -243,7 +243,7 @@ def convert_cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:
     """The llama-convert command (or its module, where the console script is not installed)."""
     script = shutil.which("llama-convert", path=str(BIN))
     cmd = [script] if script else [sys.executable, "-m", "llama.cli.convert"]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout)
+    return commands.run(cmd + [str(a) for a in args], timeout=timeout)
 
 
 def torchrun(script: Path, nproc: int, *args, env: dict = None) -> subprocess.CompletedProcess:
