@@ -98,10 +98,10 @@ class Runner:
             if reply is None:  # the server has not reaped the child yet, so the pid is still the child's
                 os.kill(pid, signal.SIGKILL)
                 self._reply()
-            out, err = (_decode(Path(paths[name]).read_bytes()) for name in ("stdout", "stderr"))
-        if reply is None:
-            raise subprocess.TimeoutExpired(argv, timeout, out, err)
-        return subprocess.CompletedProcess(argv, reply["status"], out, err)
+            out, err = (Path(paths[name]).read_bytes() for name in ("stdout", "stderr"))
+        if reply is None:  # as subprocess.run raises it: what was written so far, as bytes
+            raise subprocess.TimeoutExpired(argv, timeout, out or None, err or None)
+        return subprocess.CompletedProcess(argv, reply["status"], _decode(out), _decode(err))
 
     def close(self):
         if self.process.poll() is None:

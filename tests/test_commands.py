@@ -28,6 +28,7 @@ if mode == "sleep":
 
 @pytest.fixture
 def script(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLAMA_TEST_FORK", raising=False)  # the runner's own tests, however the others run commands
     path = tmp_path / "probe.py"
     path.write_text(SCRIPT)
     monkeypatch.chdir(tmp_path)
@@ -49,9 +50,12 @@ def test_a_forked_command_gives_what_a_started_one_gives(script, mode, stdin):
 
 
 def test_a_command_past_its_time_is_killed_as_subprocess_run_kills_it(script):
-    with pytest.raises(subprocess.TimeoutExpired) as raised:
-        commands.run([sys.executable, str(script), "sleep"], timeout=1)
-    assert "café" in raised.value.stderr
+    argv = [sys.executable, str(script), "sleep"]
+    with pytest.raises(subprocess.TimeoutExpired) as forked:
+        commands.run(argv, timeout=3)
+    with pytest.raises(subprocess.TimeoutExpired) as started:
+        subprocess.run(argv, capture_output=True, text=True, timeout=3)
+    assert forked.value.stderr == started.value.stderr == "café\r\nto stderr\n".encode()  # bytes, as written
 
 
 def test_what_the_libraries_read_at_start_starts_a_process_afresh(script):
