@@ -1,10 +1,11 @@
 """The commands the tests run, each in a process of its own, started from a copy of one that has imported torch.
 
-A command on a tiny model spends most of its time importing torch, and the suite starts a few hundred. Here
-each test process keeps one server process that imports torch once and forks a child for every command. The child is a process of its own, as `subprocess.run`
-would start: it runs the console script (or the repository's script) as `python` runs it, with the command's
-arguments, environment, directory and standard input, writes to its own standard output and error, runs the
-threads' and `atexit`'s shutdown as the interpreter does, and ends with the exit status the command gives.
+A command on a tiny model spends most of its time importing torch, and the suite starts a few hundred. Here each
+test process keeps one server process that imports torch once and forks a child for every command. The child is a
+process of its own, as `subprocess.run` would start: it runs the console script, the repository's script or
+`python -m`'s module (torchrun's launcher among them) as `python` runs it, with the command's arguments,
+environment, directory and standard input, writes to its own standard output and error, runs the threads' and
+`atexit`'s shutdown as the interpreter does, and ends with the exit status the command gives.
 
 What a forked child cannot see is what the server read as it started: the environment that the C libraries
 (OpenMP, MKL, the allocator) and Python read at start-up. A command whose environment differs from the
@@ -24,7 +25,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 # Read when a process starts (libgomp, MKL, glibc, Python, torch's C++ side), so a forked child would not see a
 # change to them: a command whose environment changes one is started afresh.
@@ -36,11 +37,13 @@ def _read_at_start(env: Dict[str, str]) -> Dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(READ_AT_START)}
 
 
-def _script(argv: List[str]) -> Optional[str]:
-    """The Python file a command runs: a console script of this interpreter's, or `python script.py`; None for
-    anything else (another program, `python -m`, `python -c`)."""
+def _target(argv: List[str]) -> Optional[Tuple[str, str]]:
+    """What a command runs: ("path", file) for a console script of this environment's Python or `python script.py`,
+    ("module", name) for `python -m name`; None for anything else (another program, `python -c`)."""
     if argv[0] == sys.executable:
-        return argv[1] if len(argv) > 1 and argv[1].endswith(".py") else None
+        if len(argv) > 2 and argv[1] == "-m":
+            return "module", argv[2]
+        return ("path", argv[1]) if len(argv) > 1 and argv[1].endswith(".py") else None
     try:
         with open(argv[0], "rb") as f:
             first = f.readline()
@@ -50,7 +53,7 @@ def _script(argv: List[str]) -> Optional[str]:
     # A script of this environment's Python (pip writes its path there), not of another program or Python.
     same = (os.path.abspath(os.path.dirname(interpreter)) == os.path.abspath(os.path.dirname(sys.executable))
             and "python" in os.path.basename(interpreter))
-    return argv[0] if same else None
+    return ("path", argv[0]) if same else None
 
 
 class Runner:
@@ -82,7 +85,7 @@ class Runner:
         return json.loads(line)
 
     def serves(self, argv: List[str], env: Dict[str, str]) -> bool:
-        return (self.process.poll() is None and _script(argv) is not None
+        return (self.process.poll() is None and _target(argv) is not None
                 and _read_at_start(env) == _read_at_start(self.env))
 
     def run(self, argv: List[str], env: Dict[str, str], input: Optional[str], timeout: float):
@@ -159,19 +162,24 @@ def _child(request: dict) -> None:
             os.dup2(opened, fd)
             os.close(opened)
         argv = request["argv"]
-        script = _script(argv)
-        sys.argv = argv[1:] if argv[0] == sys.executable else list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        kind, target = _target(argv)
         import runpy
         try:
-            runpy.run_path(script, run_name="__main__")
+            if kind == "module":  # as `python -m`: the directory first on the path, argv[0] the module's file
+                sys.argv, sys.path[0] = argv[2:], os.getcwd()
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = argv[1:] if argv[0] == sys.executable else list(argv)
+                sys.path[0] = os.path.dirname(os.path.abspath(target))
+                runpy.run_path(target, run_name="__main__")
             status = 0
         except SystemExit as e:
             status = _exit_status(e.code)
         except BaseException:
             kind, error, frames = sys.exc_info()
-            while frames is not None and frames.tb_frame.f_code.co_filename != script:  # runpy's and ours
-                frames = frames.tb_next
+            while frames is not None and frames.tb_frame.f_code.co_filename in (__file__, runpy.__file__,
+                                                                                "<frozen runpy>"):
+                frames = frames.tb_next  # runpy's frames and ours: the traceback starts at the command's own
             sys.excepthook(kind, error.with_traceback(frames), frames)
             status = 1
         threading._shutdown()  # what the interpreter does as it ends: wait for the threads, then run atexit's

@@ -249,8 +249,7 @@ def convert_cli(*args, timeout: int = 300) -> subprocess.CompletedProcess:
 def torchrun(script: Path, nproc: int, *args, env: dict = None) -> subprocess.CompletedProcess:
     """A Python script under torchrun with `nproc` processes; it must succeed."""
     cmd = TORCHRUN + [f"--nproc_per_node={nproc}", str(script), *map(str, args)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    result = commands.run(cmd, env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

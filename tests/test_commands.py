@@ -35,10 +35,11 @@ def script(tmp_path, monkeypatch):
     return path
 
 
-@pytest.mark.parametrize("mode, stdin", [("ok", None), ("ok", "some\ninput"), ("status", None), ("message", None),
-                                         ("raise", None)])
-def test_a_forked_command_gives_what_a_started_one_gives(script, mode, stdin):
-    argv = [sys.executable, str(script), mode]
+@pytest.mark.parametrize("how, mode, stdin", [("script", "ok", None), ("script", "ok", "some\ninput"),
+                                              ("script", "status", None), ("script", "message", None),
+                                              ("script", "raise", None), ("-m", "ok", "input"), ("-m", "status", None)])
+def test_a_forked_command_gives_what_a_started_one_gives(script, how, mode, stdin):
+    argv = [sys.executable, *([str(script)] if how == "script" else ["-m", script.stem]), mode]
     env = {"PROBE": "yes"}
     forked = commands.run(argv, env, input=stdin)
     started = subprocess.run(argv, capture_output=True, text=True, input=stdin or "",
