@@ -85,16 +85,17 @@ class Runner:
         return json.loads(line)
 
     def serves(self, argv: List[str], env: Dict[str, str]) -> bool:
-        return (self.process.poll() is None and _target(argv) is not None
-                and _read_at_start(env) == _read_at_start(self.env))
+        return _target(argv) is not None and _read_at_start(env) == _read_at_start(self.env)
 
     def run(self, argv: List[str], env: Dict[str, str], input: Optional[str], timeout: float):
         with tempfile.TemporaryDirectory(prefix="command-") as tmp:
             paths = {name: os.path.join(tmp, name) for name in ("stdin", "stdout", "stderr")}
-            with open(paths["stdin"], "w") as f:
-                f.write(input or "")
-            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdin": paths["stdin"] if input is not None
-                       else os.devnull, "stdout": paths["stdout"], "stderr": paths["stderr"]}
+            if input is None:
+                paths["stdin"] = os.devnull
+            else:
+                with open(paths["stdin"], "w") as f:
+                    f.write(input)
+            request = {"argv": argv, "env": env, "cwd": os.getcwd(), **paths}
             os.write(self._requests, (json.dumps(request) + "\n").encode())
             pid = self._reply()["pid"]
             reply = self._reply(timeout)
@@ -127,10 +128,11 @@ def run(argv: List[str], env: Optional[Dict[str, str]] = None, input: Optional[s
     """`subprocess.run(argv, capture_output=True, text=True, ...)`'s result, from a forked child where one can
     serve (the module's docstring). `env`: what the command's environment adds to the tests' and COMMAND_ENV."""
     global _runner
-    env = {**os.environ, **COMMAND_ENV, **(env or {})}
+    base = {**os.environ, **COMMAND_ENV}
+    env = {**base, **(env or {})}
     if os.environ.get("LLAMA_TEST_FORK", "1") != "0":
         if _runner is None or _runner.process.poll() is not None:
-            _runner = Runner({**os.environ, **COMMAND_ENV})
+            _runner = Runner(base)
         if _runner.serves(argv, env) and _runner.lock.acquire(blocking=False):
             try:
                 return _runner.run(argv, env, input, timeout)
@@ -176,11 +178,11 @@ def _child(request: dict) -> None:
         except SystemExit as e:
             status = _exit_status(e.code)
         except BaseException:
-            kind, error, frames = sys.exc_info()
+            error_type, error, frames = sys.exc_info()
             while frames is not None and frames.tb_frame.f_code.co_filename in (__file__, runpy.__file__,
                                                                                 "<frozen runpy>"):
                 frames = frames.tb_next  # runpy's frames and ours: the traceback starts at the command's own
-            sys.excepthook(kind, error.with_traceback(frames), frames)
+            sys.excepthook(error_type, error.with_traceback(frames), frames)
             status = 1
         threading._shutdown()  # what the interpreter does as it ends: wait for the threads, then run atexit's
         atexit._run_exitfuncs()

@@ -501,7 +501,7 @@ class Server:
         cmd = [*launcher, *model, "--port", "0", "--max-seq-len", str(max_seq_len), *map(str, flags)]
         # Without OMP_WAIT_POLICY, which conftest.py sets for the workers: the server chooses its own spin, as it ships.
         inherited = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-        env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "LLAMA_API_KEY": "", **(env or {})}
+        env = {**inherited, **commands.COMMAND_ENV, "PYTHONPATH": str(REPO), "LLAMA_API_KEY": "", **(env or {})}
         self.proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=REPO)
         self.lines, self.ready = [], threading.Event()
         self.url = None

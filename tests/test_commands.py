@@ -1,6 +1,7 @@
 """tests/commands.py, which runs the tests' commands in forked copies of a process that has imported torch: what
 a command gives there is what it gives in a process `subprocess.run` starts."""
 
+import os
 import subprocess
 import sys
 
@@ -43,7 +44,7 @@ def test_a_forked_command_gives_what_a_started_one_gives(script, how, mode, stdi
     env = {"PROBE": "yes"}
     forked = commands.run(argv, env, input=stdin)
     started = subprocess.run(argv, capture_output=True, text=True, input=stdin or "",
-                             env={**commands.os.environ, **commands.COMMAND_ENV, **env})
+                             env={**os.environ, **commands.COMMAND_ENV, **env})
     assert forked.stdout.startswith("True ") and started.stdout.startswith("False ")  # only one imported torch
     assert forked.stdout[len("True "):] == started.stdout[len("False "):]
     assert "the thread ended\natexit ran\n" in forked.stdout
