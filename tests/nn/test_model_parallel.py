@@ -1,11 +1,10 @@
 """Model parallelism under real torchrun (gloo on the CPU): N shards on M processes, cache on and off."""
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
+import commands
 from helpers import REPO, BIN, TORCHRUN, generate_json, write_tiny
 
 pytestmark = pytest.mark.slow  # every test starts torchrun
@@ -83,7 +82,7 @@ def test_int8_keys_and_values_on_two_processes_match_one_process(checkpoints, pr
 def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, prompts_file):
     cmd = TORCHRUN + ["--nproc_per_node=3", "--no-python", str(BIN / "llama-generate"),
                       "--ckpt-dir", str(checkpoints[1]), "--prompt", "hi", "--device", "cpu"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = commands.run(cmd)
     assert result.returncode != 0
     assert "error: n_heads 8 is not divisible by the model-parallel size 3" in result.stderr
 
@@ -91,7 +90,7 @@ def test_a_world_size_that_does_not_divide_the_heads_is_refused(checkpoints, pro
 def test_compile_under_torchrun_is_refused(checkpoints):
     cmd = TORCHRUN + ["--nproc_per_node=2", "--no-python", str(BIN / "llama-generate"),
                       "--ckpt-dir", str(checkpoints[2]), "--prompt", "Hello", "--device", "cpu", "--compile"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = commands.run(cmd)
     assert result.returncode != 0
     assert "error: --compile runs in one process, not under torchrun with 2 processes" in result.stderr
     # torchrun prints a traceback of its own when a rank exits non-zero; none may come from this project.

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import commands
 from helpers import REPO, BIN, EXAMPLE_TOKENIZER, TORCHRUN, build, generate_json, tiny_args, write_tiny
 from llama import kernels
 from llama.quant import format as qf
@@ -119,7 +120,7 @@ def test_a_stored_per_channel_int8_checkpoint_that_cannot_split_is_refused_in_on
                     extra_files={qf.RECORD_NAME: qf.write_record("int8", None, "test")})
     cmd = TORCHRUN + ["--nproc_per_node=2", "--no-python", str(BIN / "llama-generate"), "--ckpt-dir", str(tmp_path / "q"),
                       "--prompts-file", str(prompts_file), "--device", "cpu"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = commands.run(cmd)
     assert result.returncode != 0
     assert "do not split across 2 processes; run it in one process" in result.stderr
     # torchrun prints a traceback of its own when a rank exits non-zero; none may come from this project.
