@@ -200,13 +200,23 @@ def generate(ckpt: Path, *args, **kwargs) -> subprocess.CompletedProcess:
     return run("llama-generate", "--ckpt-dir", ckpt, "--temperature", "0", "--max-gen-len", "12", *args, **kwargs)
 
 
+def under_torchrun(nproc: int, command: str) -> List[str]:
+    """The argv of a console script under torchrun with `nproc` processes."""
+    return TORCHRUN + [f"--nproc_per_node={nproc}", "--no-python", str(BIN / command)]
+
+
+def assert_refused_under_torchrun(result: subprocess.CompletedProcess, message: str) -> None:
+    """The command failed saying `message`, and no traceback is ours (torchrun prints its own when a rank fails)."""
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-3000:]
+    assert str(REPO / "llama") not in result.stderr
+
+
 def generate_json(ckpt: Path, *args, nproc: int = 1, max_gen_len: int = 12) -> List[dict]:
     """llama-generate's JSON records (greedy, with logprobs, on the CPU), by one process or torchrun's `nproc`."""
     flags = ["--ckpt-dir", str(ckpt), "--json", "--logprobs", "--temperature", "0", "--max-gen-len", str(max_gen_len),
              "--device", "cpu", *map(str, args)]
-    cmd = [str(BIN / "llama-generate")]
-    if nproc > 1:
-        cmd = TORCHRUN + [f"--nproc_per_node={nproc}", "--no-python"] + cmd
+    cmd = under_torchrun(nproc, "llama-generate") if nproc > 1 else [str(BIN / "llama-generate")]
     result = commands.run(cmd + flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr

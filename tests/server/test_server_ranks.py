@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 import commands
-from helpers import BIN, REPO, TORCHRUN, build, wait_for, write_tiny
+from helpers import REPO, assert_refused_under_torchrun, build, under_torchrun, wait_for, write_tiny
 from test_server import MAX_SEQ_LEN, Server, ask_question, continuation, solo, solo_chat
 
 pytestmark = pytest.mark.slow  # every test starts torchrun
 
-LLAMA_SERVER_UNDER_TORCHRUN = (*TORCHRUN, "--nproc_per_node=2", "--no-python", str(BIN / "llama-server"))
+LLAMA_SERVER_UNDER_TORCHRUN = tuple(under_torchrun(2, "llama-server"))
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,5 @@ def test_a_rank_that_dies_takes_the_server_down_saying_why(checkpoints):
 
 def test_compile_under_torchrun_is_refused(checkpoints):
     cmd = [*LLAMA_SERVER_UNDER_TORCHRUN, "--ckpt-dir", str(checkpoints[2]), "--port", "0", "--compile"]
-    result = commands.run(cmd)
-    assert result.returncode != 0
-    assert "error: --compile runs in one process, not under torchrun with 2 processes" in result.stderr
-    assert str(REPO / "llama") not in result.stderr
+    assert_refused_under_torchrun(commands.run(cmd),
+                                  "error: --compile runs in one process, not under torchrun with 2 processes")
