@@ -145,11 +145,13 @@ def test_an_int8_kv_cache_keeps_the_switch_exact_on_float32_weights():
 @pytest.fixture(scope="module")
 def paths():
     """The paths the test above did not run. The emulated VNNI path (for tests: the AVX-VNNI code on AVX2) only where
-    the CPU has no AVX-VNNI: it is that code with one instruction emulated, and tests/kernels holds both paths to the
-    scalar loop bit for bit."""
+    the CPU has no AVX-VNNI, and AVX-512 without VNNI only where the CPU has no AVX-512 VNNI: each is the other's
+    code with its dot-product instruction written otherwise, and tests/kernels holds both to the scalar loop bit for
+    bit."""
     assert kernels.load()
     cpu = kernels.cpu_paths()
-    skip = {kernels.best_path(), "avxvnni-emulated" if "avxvnni" in cpu else None}
+    skip = {kernels.best_path(), "avxvnni-emulated" if "avxvnni" in cpu else None,
+            "avx512" if "avx512vnni" in cpu else None}
     return [p for p in cpu if p not in skip]
 
 

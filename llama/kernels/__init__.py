@@ -10,7 +10,8 @@ it (llama.quant.linears.FewRowsLinear), reading each weight row once for all of 
 float32 product does (RowExactLinear), since each row's outputs are the same bits in any company.
 
 Which instruction path runs is chosen from the CPU's flags when the library loads (the best of AVX-512 VNNI,
-AVX-VNNI, AVX2, scalar); `LLAMA_KERNEL_PATH` or `options(path=...)` forces one the CPU has, as the tests do.
+AVX-512 without VNNI, AVX-VNNI, AVX2, scalar); `LLAMA_KERNEL_PATH` or `options(path=...)` forces one the CPU has,
+as the tests do.
 """
 
 import os
@@ -21,7 +22,7 @@ import torch
 
 from llama.runtime.progress import Progress
 
-PATHS = ("scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512vnni")  # in the library's numbering
+PATHS = ("scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512", "avx512vnni")  # in the library's numbering
 PATH_ENV = "LLAMA_KERNEL_PATH"
 QK = 32  # values per block, of activations and weights
 ROWS = 8  # int8 weight rows interleaved in a group

@@ -17,7 +17,7 @@ if missing():
 
 U = 2.0 ** -24
 # The float paths the library picks from its instruction paths (kernels.h): scalar, AVX2 + FMA, AVX-512.
-FLOAT_PATHS = ["scalar", "avx2", "avx512vnni"]
+FLOAT_PATHS = ["scalar", "avx2", "avx512"]
 SHAPES = [(37, 19), (64, 576), (1000, 33), (5, 8), (9, 1), (37, 600)]  # (out, in): ragged in both, one-column rows;
 # the last with 16 rows is over f32_rows.cpp's PAIR_BYTES: several weight rows a pass, one left over
 

@@ -43,8 +43,8 @@
 // float32, which is exact) run the same operations 8 lanes at a time, and up to kRowTile rows of one (b, h) meet
 // each key block together, so that the block's keys and values are read from the cache once for all of them:
 // each row's operations and their order are still exactly those above, so the scalar loop and the AVX2 one give
-// the same bits, and a row gives the same bits alone (a cached step) as among all rows (an uncached pass). With
-// AVX-512 (the kernels' avx512vnni path) the same tile runs 16 lanes at a time: two keys' 8 lanes of a product in
+// the same bits, and a row gives the same bits alone (a cached step) as among all rows (an uncached pass). On
+// the kernels' AVX-512 paths the same tile runs 16 lanes at a time: two keys' 8 lanes of a product in
 // one vector, 16 values or weights at once, the same bits again (attention_tile.inc holds the tile for both). For
 // finite inputs: NaNs propagate, but not necessarily with the same bits on every path.
 #include <ATen/ATen.h>
@@ -535,7 +535,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   bool avx2 = false, avx512 = false;
 #if LLAMA_KV_X86
   avx2 = kernel_path() >= kAvx2;
-  avx512 = kernel_path() >= kAvx512Vnni;
+  avx512 = kernel_path() >= kAvx512;
 #endif
   // Rows are taken in tiles of up to kRowTile rows of one (b, h), so that each key block is read from memory (and an
   // int8 one dequantized) once for all of them, not once a row; within a (b, h) tiles are taken from both ends in

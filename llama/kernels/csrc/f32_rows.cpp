@@ -3,9 +3,9 @@
 // Decoding multiplies one row per sequence (a few, for a batch) by every weight matrix, so the work is reading
 // the weights once. Here each weight row, read once, meets every activation row, the activations staying in
 // L1; a matrix library's GEMM, tuned for many rows, reads the weights again for each tile of them. A prompt's
-// rows (past PAIR_BYTES) go in blocks that stay in L2, three weight rows a pass on AVX2: on the default model's
-// shapes, 64 to 2,048 rows took 0.80 to 1.12 times MKL's time on the 2-core AVX2 EPYC, one weight row a pass
-// 1.45 to 2.36 times.
+// rows (past PAIR_BYTES) go in blocks that stay in L2, three weight rows a pass on AVX2, four on AVX-512: on the
+// default model's shapes, 64 to 2,048 rows took 0.80 to 1.12 times MKL's time on the 2-core AVX2 EPYC, one weight
+// row a pass 1.45 to 2.36 times.
 //
 // Each output is one dot product computed the same way whatever else is computed with it: the same vector
 // width, the same order of products and additions, the same final sum of lanes. So a row's outputs do not
@@ -26,12 +26,13 @@ namespace {
 // 17.2 ms at 2 rows (4 KB into L1 alone did nothing). Prefetches past the end of the weights never fault.
 constexpr int PREFETCH = 2048;
 constexpr int PREFETCH_L2 = 16384;
-// Activations of more bytes than this (an L1 data cache) go two weight rows a pass on the AVX-512 path, so that
-// they stream through the core half as often: every weight matrix of the default model, 12 rows 44.5 -> 41.7 ms
-// and 16 rows 60.7 -> 54.5 ms, 4 and 8 rows unchanged (one row a pass was as fast or faster below it).
+// Activations of more bytes than this (an L1 data cache) meet several weight rows a pass, so that they stream
+// through the core as many times fewer (one row a pass was as fast or faster below it). On AVX-512, four rows a
+// pass in L2 blocks took 0.43-0.76x the time of two rows a pass over all rows at 512 rows of the default model's
+// products, 0.61-0.75x at 16 (Xeon-512, 2 threads, two rounds).
 constexpr int64_t PAIR_BYTES = 32768;
-// Past PAIR_BYTES, the AVX2 path takes the activations in blocks of rows of at most this many bytes, which stay in
-// L2 while the weight rows of a thread's slice pass over them.
+// Past PAIR_BYTES, the activations go in blocks of rows of at most this many bytes, which stay in L2 while the
+// weight rows of a thread's slice pass over them.
 constexpr int64_t BLOCK_BYTES = 131072;
 
 // One output: sum_k x[k] * w[k], in 8 running partial sums (k mod 8), then those summed. Plain C++ for CPUs
@@ -165,49 +166,49 @@ LK_AVX512F void tile_avx512(const float* x, int64_t K, const float* w, float* y,
   for (int m = 0; m < MT; m++) y[m * N] = sum16(acc[m]);
 }
 
-// Two weight rows against MT activation rows: 2 * MT running sums, where one row's MT chains leave the FMA units
-// waiting on their latency once the rows are many enough to make the product compute-bound. Each sum is
-// formed exactly as tile_avx512's.
-template <int MT>
-LK_AVX512F void tile2_avx512(const float* x, int64_t K, const float* w, float* y, int64_t N, __mmask16 tail_mask) {
-  __m512 a0[MT], a1[MT];
-  for (int m = 0; m < MT; m++) a0[m] = a1[m] = _mm512_setzero_ps();
-  const float* w1 = w + K;
+// NR weight rows against MT activation rows: NR * MT running sums, where one row's MT chains leave the FMA units
+// waiting on their latency once the rows are many enough to make the product compute-bound. Each sum is formed
+// exactly as tile_avx512's.
+template <int NR, int MT>
+LK_AVX512F void tiles_avx512(const float* x, int64_t K, const float* w, float* y, int64_t N, __mmask16 tail_mask) {
+  __m512 acc[NR][MT];
+  for (int r = 0; r < NR; r++)
+    for (int m = 0; m < MT; m++) acc[r][m] = _mm512_setzero_ps();
   const int64_t K16 = K & ~int64_t(15);
   for (int64_t k = 0; k < K16; k += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + k) + PREFETCH, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + PREFETCH_L2, _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + k) + PREFETCH_L2, _MM_HINT_T1);
-    const __m512 v0 = _mm512_loadu_ps(w + k), v1 = _mm512_loadu_ps(w1 + k);
+    __m512 v[NR];
+    for (int r = 0; r < NR; r++) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + PREFETCH, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + PREFETCH_L2, _MM_HINT_T1);
+      v[r] = _mm512_loadu_ps(w + r * K + k);
+    }
     for (int m = 0; m < MT; m++) {
       const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-      a0[m] = _mm512_fmadd_ps(v0, xv, a0[m]);
-      a1[m] = _mm512_fmadd_ps(v1, xv, a1[m]);
+      for (int r = 0; r < NR; r++) acc[r][m] = _mm512_fmadd_ps(v[r], xv, acc[r][m]);
     }
   }
   if (K16 < K) {
-    const __m512 v0 = _mm512_maskz_loadu_ps(tail_mask, w + K16), v1 = _mm512_maskz_loadu_ps(tail_mask, w1 + K16);
+    __m512 v[NR];
+    for (int r = 0; r < NR; r++) v[r] = _mm512_maskz_loadu_ps(tail_mask, w + r * K + K16);
     for (int m = 0; m < MT; m++) {
       const __m512 xv = _mm512_maskz_loadu_ps(tail_mask, x + m * K + K16);
-      a0[m] = _mm512_fmadd_ps(v0, xv, a0[m]);
-      a1[m] = _mm512_fmadd_ps(v1, xv, a1[m]);
+      for (int r = 0; r < NR; r++) acc[r][m] = _mm512_fmadd_ps(v[r], xv, acc[r][m]);
     }
   }
-  for (int m = 0; m < MT; m++) {
-    y[m * N] = sum16(a0[m]);
-    y[m * N + 1] = sum16(a1[m]);
-  }
+  for (int m = 0; m < MT; m++)
+    for (int r = 0; r < NR; r++) y[m * N + r] = sum16(acc[r][m]);
 }
 
-LK_AVX512F void row_pair_avx512(const float* x, int64_t M, const float* w, int64_t K, int64_t n, float* y, int64_t N,
-                                __mmask16 tail) {
+// NR weight rows from n against all M activation rows, four at a time.
+template <int NR>
+LK_AVX512F void rows_avx512(const float* x, int64_t M, const float* w, int64_t K, int64_t n, float* y, int64_t N,
+                            __mmask16 tail) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile2_avx512<4>(x + m * K, K, w + n * K, y + m * N + n, N, tail);
+  for (; m + 4 <= M; m += 4) tiles_avx512<NR, 4>(x + m * K, K, w + n * K, y + m * N + n, N, tail);
   switch (M - m) {
-    case 3: tile2_avx512<3>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
-    case 2: tile2_avx512<2>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
-    case 1: tile2_avx512<1>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 3: tiles_avx512<NR, 3>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 2: tiles_avx512<NR, 2>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
+    case 1: tiles_avx512<NR, 1>(x + m * K, K, w + n * K, y + m * N + n, N, tail); break;
   }
 }
 
@@ -244,10 +245,18 @@ LK_AVX2 LK_F32_ROWS(f32_rows_avx2) {
 
 LK_AVX512F LK_F32_ROWS(f32_rows_avx512) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (K % 16)) - 1);
-  int64_t n = n0;
-  if (M * K * int64_t(sizeof(float)) > PAIR_BYTES)
-    for (; n + 2 <= n1; n += 2) row_pair_avx512(x, M, w, K, n, y, N, tail);
-  for (; n < n1; n++) row_avx512(x, M, w, K, n, y, N, tail);
+  if (M * K * int64_t(sizeof(float)) <= PAIR_BYTES) {
+    for (int64_t n = n0; n < n1; n++) row_avx512(x, M, w, K, n, y, N, tail);
+    return;
+  }
+  // As on AVX2, in blocks of rows that stay in L2, four weight rows a pass (16 running sums of the 32 registers).
+  const int64_t block = std::max<int64_t>(4, BLOCK_BYTES / (K * int64_t(sizeof(float))) / 4 * 4);
+  for (int64_t m0 = 0; m0 < M; m0 += block) {
+    const int64_t rows = std::min(block, M - m0);
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rows_avx512<4>(x + m0 * K, rows, w, K, n, y + m0 * N, N, tail);
+    for (; n < n1; n++) row_avx512(x + m0 * K, rows, w, K, n, y + m0 * N, N, tail);
+  }
 }
 #else
 LK_F32_ROWS(f32_rows_avx2) { f32_rows_scalar(x, M, w, K, n0, n1, y, N); }

@@ -59,8 +59,9 @@ enum Path : int {
   kAvx2 = 1,             // AVX2 + FMA + F16C: maddubs (the sign trick keeps it below 16-bit saturation)
   kAvxVnniEmulated = 2,  // the AVX-VNNI code with vpdpbusd written in AVX2: tests the VNNI logic anywhere
   kAvxVnni = 3,          // AVX-VNNI (256-bit vpdpbusd, VEX)
-  kAvx512Vnni = 4,       // AVX-512 F/BW/VL + VNNI: 16 rows a vector
-  kNumPaths = 5,
+  kAvx512 = 4,           // AVX-512 F/BW/VL without VNNI: maddubs, 16 rows a vector
+  kAvx512Vnni = 5,       // AVX-512 F/BW/VL + VNNI: vpdpbusd, 16 rows a vector
+  kNumPaths = 6,
 };
 
 const char* path_name(int path);
@@ -91,18 +92,21 @@ LK_GEMV_Q8_0(gemv_q8_0_scalar);
 LK_GEMV_Q8_0(gemv_q8_0_avx2);
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni_emulated);
 LK_GEMV_Q8_0(gemv_q8_0_avxvnni);
+LK_GEMV_Q8_0(gemv_q8_0_avx512);
 LK_GEMV_Q8_0(gemv_q8_0_avx512vnni);
 // int8 in groups of 16 (two scales a block, scales[g][b][half][r]): the same signature.
 LK_GEMV_Q8_0(gemv_q8_16_scalar);
 LK_GEMV_Q8_0(gemv_q8_16_avx2);
 LK_GEMV_Q8_0(gemv_q8_16_avxvnni_emulated);
 LK_GEMV_Q8_0(gemv_q8_16_avxvnni);
+LK_GEMV_Q8_0(gemv_q8_16_avx512);
 LK_GEMV_Q8_0(gemv_q8_16_avx512vnni);
 #define LK_DECLARE_Q4(path) LK_GEMV_Q4(gemv_q4_0_##path); LK_GEMV_Q4(gemv_q4_1_##path);
 LK_DECLARE_Q4(scalar)
 LK_DECLARE_Q4(avx2)
 LK_DECLARE_Q4(avxvnni_emulated)
 LK_DECLARE_Q4(avxvnni)
+LK_DECLARE_Q4(avx512)
 LK_DECLARE_Q4(avx512vnni)
 #undef LK_DECLARE_Q4
 
@@ -121,7 +125,7 @@ void dequantize_q4(bool has_mins, const uint8_t* w, int64_t nb, int64_t u0, int6
 float half_to_float(uint16_t h);
 
 // float32 products of M activation rows x (M, K) with weight rows n0 <= n < n1 of a row-major w (N, K):
-// y[m * N + n] (f32_rows.cpp). The AVX-512 path runs where the AVX-512 VNNI one does.
+// y[m * N + n] (f32_rows.cpp). The AVX-512 path runs on both AVX-512 paths.
 #define LK_F32_ROWS(name) \
   void name(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N)
 LK_F32_ROWS(f32_rows_scalar);
@@ -136,6 +140,7 @@ LK_F32_ROWS(f32_rows_avx512);
 #include <immintrin.h>
 #define LK_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define LK_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define LK_AVX512BW __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl")))
 #define LK_AVX512VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define LK_AVX512F __attribute__((target("avx2,fma,f16c,avx512f")))
 #else

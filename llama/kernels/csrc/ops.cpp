@@ -38,14 +38,15 @@
 namespace llama_kv {
 
 const char* path_name(int path) {
-  static const char* names[kNumPaths] = {"scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512vnni"};
+  static const char* names[kNumPaths] = {"scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512",
+                                              "avx512vnni"};
   return path >= 0 && path < kNumPaths ? names[path] : "unknown";
 }
 
 namespace {
 
 struct CpuFlags {
-  bool avx2 = false, avxvnni = false, avx512vnni = false;
+  bool avx2 = false, avxvnni = false, avx512 = false, avx512vnni = false;
 };
 
 CpuFlags read_cpu_flags() {
@@ -67,7 +68,8 @@ CpuFlags read_cpu_flags() {
   const bool avx_vnni = has_leaf_7_1 && (a1 & (1u << 4));
   f.avx2 = ymm_state && avx2 && fma && f16c;
   f.avxvnni = f.avx2 && avx_vnni;
-  f.avx512vnni = f.avx2 && zmm_state && avx512f && avx512bw && avx512vl && avx512_vnni;
+  f.avx512 = f.avx2 && zmm_state && avx512f && avx512bw && avx512vl;
+  f.avx512vnni = f.avx512 && avx512_vnni;
 #endif
   return f;
 }
@@ -255,9 +257,9 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
   const ActRow* rows = a.rows;
   using Gemv = void (*)(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const ActRow*, int64_t, float*, int64_t);
   static const Gemv q8_0[kNumPaths] = {gemv_q8_0_scalar, gemv_q8_0_avx2, gemv_q8_0_avxvnni_emulated,
-                                       gemv_q8_0_avxvnni, gemv_q8_0_avx512vnni};
+                                       gemv_q8_0_avxvnni, gemv_q8_0_avx512, gemv_q8_0_avx512vnni};
   static const Gemv q8_16[kNumPaths] = {gemv_q8_16_scalar, gemv_q8_16_avx2, gemv_q8_16_avxvnni_emulated,
-                                        gemv_q8_16_avxvnni, gemv_q8_16_avx512vnni};
+                                        gemv_q8_16_avxvnni, gemv_q8_16_avx512, gemv_q8_16_avx512vnni};
   const Gemv gemv = (halves ? q8_16 : q8_0)[path];
   at::parallel_for(0, groups, std::max<int64_t>(1, kMinBytesPerTask / (nb * Q8_BLOCK_BYTES)),
                    [&](int64_t g0, int64_t g1) { gemv(w, sc, nb, g0, g1, rows, M, yp, out_features); });
@@ -301,9 +303,9 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_
   const ActRow* rows = a.rows;
   using Gemv = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const ActRow*, int64_t, float*, int64_t);
   static const Gemv q4_0[kNumPaths] = {gemv_q4_0_scalar, gemv_q4_0_avx2, gemv_q4_0_avxvnni_emulated,
-                                       gemv_q4_0_avxvnni, gemv_q4_0_avx512vnni};
+                                       gemv_q4_0_avxvnni, gemv_q4_0_avx512, gemv_q4_0_avx512vnni};
   static const Gemv q4_1[kNumPaths] = {gemv_q4_1_scalar, gemv_q4_1_avx2, gemv_q4_1_avxvnni_emulated,
-                                       gemv_q4_1_avxvnni, gemv_q4_1_avx512vnni};
+                                       gemv_q4_1_avxvnni, gemv_q4_1_avx512, gemv_q4_1_avx512vnni};
   const Gemv gemv = (has_mins ? q4_1 : q4_0)[path];
   at::parallel_for(0, units, std::max<int64_t>(1, kMinBytesPerTask / unit_bytes),
                    [&](int64_t u0, int64_t u1) { gemv(w, nb, u0, u1, rows, M, yp, out_features); });
@@ -334,7 +336,7 @@ at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& weight) {
   // Slices of at least kMinBytesPerTask of weights, in whole fours of rows (the AVX-512 path's step).
   const int64_t grain = std::max<int64_t>(4, (kMinBytesPerTask / (K * 4) + 3) / 4 * 4);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (path >= kAvx512Vnni)
+    if (path >= kAvx512)
       f32_rows_avx512(xp, M, wp, K, n0, n1, yp, N);
     else if (path >= kAvx2)
       f32_rows_avx2(xp, M, wp, K, n0, n1, yp, N);
@@ -414,6 +416,7 @@ bool cpu_supports(int path) {
     case kAvx2:
     case kAvxVnniEmulated: return cpu().avx2;
     case kAvxVnni: return cpu().avxvnni;
+    case kAvx512: return cpu().avx512;
     case kAvx512Vnni: return cpu().avx512vnni;
     default: return false;
   }
