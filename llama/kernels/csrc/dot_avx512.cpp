@@ -25,16 +25,8 @@ LK_AVX512VNNI inline __m512i q4_add(__m512i acc, __m512i u, int32_t word) {
 LK_AVX512VNNI inline __m512i q4_total(__m512i lo, __m512i hi) { return _mm512_add_epi32(lo, hi); }
 
 #define LK_TARGET LK_AVX512VNNI
-#define LK_Q8_GEMV gemv_q8_0
-#define LK_Q8_16_GEMV gemv_q8_16
-#define LK_Q4_0_GEMV gemv_q4_0
-#define LK_Q4_1_GEMV gemv_q4_1
 #include "avx512.inc"
 #undef LK_TARGET
-#undef LK_Q8_GEMV
-#undef LK_Q8_16_GEMV
-#undef LK_Q4_0_GEMV
-#undef LK_Q4_1_GEMV
 }  // namespace vnni
 
 namespace bw {
@@ -61,16 +53,8 @@ LK_AVX512BW inline __m512i q4_total(__m512i lo, __m512i hi) {
 }
 
 #define LK_TARGET LK_AVX512BW
-#define LK_Q8_GEMV gemv_q8_0
-#define LK_Q8_16_GEMV gemv_q8_16
-#define LK_Q4_0_GEMV gemv_q4_0
-#define LK_Q4_1_GEMV gemv_q4_1
 #include "avx512.inc"
 #undef LK_TARGET
-#undef LK_Q8_GEMV
-#undef LK_Q8_16_GEMV
-#undef LK_Q4_0_GEMV
-#undef LK_Q4_1_GEMV
 }  // namespace bw
 
 LK_GEMV_Q8_0(gemv_q8_0_avx512vnni) { vnni::gemv_q8_0(w, scales, nb, g0, g1, act, M, y, out_features); }

@@ -38,8 +38,7 @@
 namespace llama_kv {
 
 const char* path_name(int path) {
-  static const char* names[kNumPaths] = {"scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512",
-                                              "avx512vnni"};
+  static const char* names[kNumPaths] = {"scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512", "avx512vnni"};
   return path >= 0 && path < kNumPaths ? names[path] : "unknown";
 }
 
