@@ -35,7 +35,7 @@ from torch import nn
 from llama import kernels
 from llama.compile.store import META, PACKAGE, compiled_dir, describe_key, package_dir, package_loader
 from llama.errors import first_line
-from llama.runtime.files import read_json_object, sha256_file, write_atomically
+from llama.runtime.files import lock_file, read_json_object, sha256_file, write_atomically
 from llama.kv_cache import KVCache, PagedKVCache
 from llama.model import Transformer
 from llama.runtime.progress import Progress, or_silent, step
@@ -43,6 +43,7 @@ from llama.runtime.progress import Progress, or_silent, step
 # Caches of every length from 2 positions up share one package; generate() never decodes with a shorter one.
 _MIN_CACHE, _MAX_CACHE = 2, 1 << 20
 _BUILDING = threading.Lock()  # held while a package is exported and compiled
+_LOCKS = ".locks"  # in the packages' directory: a lock file for each package, held by the process building it
 # Python's switch interval while a step is built, on a background thread beside the eager steps: export is Python
 # that lets go of the GIL only when made to, and an eager step takes the GIL back hundreds of times, waiting up to
 # the interval each time (docs/benchmarks.md, "Figures behind the code", has what it costs and gains).
@@ -251,8 +252,8 @@ class _StoredSteps:
     def _build_and_load(self, size, progress: Optional[Progress] = None) -> Callable:
         fields, directory = self._place(size)
         start = time.perf_counter()
-        self._build(directory, fields, *self._example(size), progress=progress)
-        self.built[size] = time.perf_counter() - start
+        if self._build(directory, fields, *self._example(size), progress=progress):
+            self.built[size] = time.perf_counter() - start
         return self._load(directory, fields)
 
     def _load_or_build(self, size) -> Callable:
@@ -288,17 +289,27 @@ class _StoredSteps:
         return lambda tokens, input_pos, kv: loader.run([tokens, input_pos, *kv])[0]
 
     def _build(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str,
-               progress: Optional[Progress] = None) -> None:
+               progress: Optional[Progress] = None) -> bool:
         """Export and compile the step into a new directory beside `directory`, then rename it into place; one build
         at a time in a process (two models' steps, a draft model's beside the model's, would otherwise be exported
-        at once, and torch's export is not safe to run on two threads)."""
-        with _BUILDING:
+        at once, and torch's export is not safe to run on two threads), and one process at a time for a package (a
+        lock file each: a second process waits for the first one's package, minutes of a core not spent twice).
+        False where another process stored it meanwhile: nothing was built here."""
+        progress = progress or self.progress
+
+        def waiting():
+            return step(progress, f"{what}: another process is building it; waiting for its package")
+
+        with _BUILDING, lock_file(directory.parent / _LOCKS / directory.name, waiting):
+            if directory.exists():
+                return False
             interval = sys.getswitchinterval()
             sys.setswitchinterval(min(interval, BUILD_SWITCH_INTERVAL_S))
             try:
                 self._build_now(directory, fields, args, dynamic_shapes, what, progress)
             finally:
                 sys.setswitchinterval(interval)
+        return True
 
     def _build_now(self, directory: Path, fields: Dict[str, object], args: tuple, dynamic_shapes: tuple, what: str,
                    progress: Optional[Progress] = None) -> None:

@@ -34,17 +34,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from llama.errors import LlamaError
-from llama.runtime.files import sha256_file, write_atomically
+from llama.runtime.files import lock_file, sha256_file, write_atomically
 from llama.runtime.paths import home_dir
 from llama.runtime.progress import Progress
-
-try:
-    import fcntl
-except ImportError:  # Windows: no locks; the rename into place still keeps every entry whole
-    fcntl = None
 
 CACHE_DIR_NAME = "converted"
 MANIFEST = "converted-from.json"
@@ -290,37 +285,15 @@ def _check_room(root: Path, needed: int, reclaimable: int, src: Path) -> None:
                          f"{format_bytes(free)} is free there; free some space, or set LLAMA_HOME to a larger disk")
 
 
-@contextmanager
-def _locked(root: Path, key: str, src: Path, say: Optional[Notice], wait: bool = True) -> Iterator[Optional[bool]]:
-    """Hold the lock of `key` while the block runs (waiting for it unless `wait` is False).
+def _locked(root: Path, key: str, src: Path, say: Optional[Notice], wait: bool = True):
+    """The lock of `key` under `root` (llama.runtime.files.lock_file), saying so if another process holds it."""
+    @contextmanager
+    def waiting():
+        if say is not None:
+            say(f"another process is converting {src.name}; waiting for it to finish")
+        yield
 
-    Yields True when it is held, False when another process holds it and `wait` is False, and None where
-    there are no locks (no fcntl, or a file system without them): the block then runs unprotected.
-    """
-    locks = root / _LOCKS
-    locks.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
-        yield None
-        return
-    # The lock file is never deleted: deleting it while another process waits on it would let a third
-    # process lock a new file of the same name, and two would convert at once.
-    with open(locks / key, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not wait:
-                yield False
-                return
-            if say is not None:
-                say(f"another process is converting {src.name}; waiting for it to finish")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:
-            yield None  # this file system has no locks (ENOLCK)
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return lock_file(root / _LOCKS / key, waiting, wait)
 
 
 def _convert(src: Path, kind: str, entry: Path, identity: Dict, progress: Optional[Progress],

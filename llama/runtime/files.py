@@ -1,13 +1,20 @@
-"""Small file helpers every reader and writer shares: JSON objects in, whole files out, files' digests."""
+"""Small file helpers every reader and writer shares: JSON objects in, whole files out, files' digests, and the
+lock files that make two processes take turns at the same work."""
 
 import hashlib
 import json
 import os
 import tempfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, Optional, Union
 
 from llama.errors import LlamaError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no locks; whoever renames into place first wins, whole
+    fcntl = None
 
 
 # Hashing reads through one buffer of this size. Chunks of a megabyte or more, each a new bytes object, are placed
@@ -67,3 +74,38 @@ def write_atomically(path: Path, data: Union[bytes, str]) -> Path:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return path
+
+
+@contextmanager
+def lock_file(path: Path, waiting: Callable[[], ContextManager] = nullcontext,
+              wait: bool = True) -> Iterator[Optional[bool]]:
+    """Hold an exclusive lock on the file `path` (created, never deleted) while the block runs, so that processes
+    doing the same work take turns; where another process holds it, this one waits inside `waiting()` (a progress
+    line, a message).
+
+    Yields True when it is held, False when another process holds it and `wait` is False, and None where there
+    are no locks (no fcntl, or a file system without them): the block then runs unprotected.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield None
+        return
+    # Never deleted: deleting it while another process waits on it would let a third process lock a new file of
+    # the same name, and two would do the work at once.
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                yield False
+                return
+            with waiting():
+                fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            yield None  # this file system has no locks (ENOLCK)
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -21,6 +21,7 @@ from llama.speculative import Speculation
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.long,
     pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler"),
 ]
 
@@ -110,6 +111,11 @@ def test_a_missing_compiler_is_a_one_line_error(gqa_ckpt, tmp_path):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
+def packages(directory):
+    """What a packages' directory holds but the lock files of their builds (`.locks`, kept: llama/compile/aot.py)."""
+    return [p for p in directory.iterdir() if p.name != ".locks"]
+
+
 def _default_env(directory):
     # LLAMA_COMPILE=auto is the commands' default, which conftest.py turns off for the other tests.
     return {"LLAMA_COMPILE": "auto", "LLAMA_COMPILED_DIR": str(directory)}
@@ -130,7 +136,7 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
     # Built ahead with --precompile, which generates nothing and says where the package is.
     ahead = run("llama-generate", "--ckpt-dir", nonstop_ckpt, "--precompile", env=_default_env(tmp_path))
     assert ahead.returncode == 0 and BUILDING in ahead.stderr, ahead.stderr
-    (entry,) = tmp_path.iterdir()  # one package, in a directory named by its key, and nothing half-written
+    (entry,) = packages(tmp_path)  # one package, in a directory named by its key, and nothing half-written
     assert sorted(p.name for p in entry.iterdir()) == ["meta.json", "step.pt2"]
     assert re.fullmatch(rf"compiled decode step for batch size 1: built in [0-9.]+ s, in {re.escape(str(entry))}\n",
                         ahead.stdout), ahead.stdout
@@ -187,7 +193,7 @@ def test_the_compiled_step_is_stored_once_loaded_later_and_built_again_when_dama
         after = _generate_compiled(nonstop_ckpt, tmp_path)
         assert "compiled:        yes (ahead of time, loaded from disk), in " in after.stderr and "note:" not in after.stderr
         assert after.stdout == first.stdout
-    assert [p.name for p in tmp_path.iterdir()] == [entry.name]
+    assert [p.name for p in packages(tmp_path)] == [entry.name]
 
 
 @pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
@@ -212,6 +218,30 @@ def test_the_stored_step_calls_the_kernels_directly(gqa_ckpt, method, op):
     want, want_lp = eager.generate(prompt, 12, temperature=0, ignore_stop=True, logprobs=True)
     got, got_lp = compiled.generate(prompt, 12, temperature=0, ignore_stop=True, logprobs=True)
     assert got == want and got_lp == want_lp
+
+
+def test_a_package_another_process_is_building_is_waited_for_and_loaded(compiled, tmp_path, monkeypatch):
+    """Two processes needing one package (a server and a command started on a first use) build it once: while
+    another holds the package's lock, this one waits, then loads what the other stored."""
+    import threading
+
+    from llama.compile.aot import AheadOfTimeStep
+    from llama.runtime.files import lock_file
+
+    stored = compiled.compiled_step.ahead_of_time.directories[1]  # the batch-1 package, in the run's directory
+    monkeypatch.setenv("LLAMA_COMPILED_DIR", str(tmp_path))
+    step = AheadOfTimeStep(compiled.model)
+    target = tmp_path / stored.name  # the same key: the same model, batch size and cache
+    runners = []
+    with lock_file(tmp_path / ".locks" / stored.name):  # as the other process, building
+        waiter = threading.Thread(target=lambda: runners.append(step.runner(1)))
+        waiter.start()
+        waiter.join(2.0)
+        assert waiter.is_alive() and not target.exists()  # waiting, and building nothing meanwhile
+        shutil.copytree(stored, target)  # the other process's package, renamed into place
+    waiter.join(60)
+    assert runners and runners[0] is not None and step.built == {}  # loaded, not built
+    assert packages(tmp_path) == [target]
 
 
 def test_the_default_leaves_uncached_steps_eager_and_both_flags_are_refused(nonstop_ckpt, tmp_path):
@@ -244,7 +274,7 @@ def test_a_model_the_package_cannot_hold_is_remembered_and_never_exported_again(
     kwargs = dict(quantize="int4", dtype="bfloat16", quant_kernels="exact", compile="auto")
     first = build(gqa_ckpt, **kwargs)
     first.compiled_step.wait()  # a first run exports on the background thread, and learns the verdict there
-    (entry,) = tmp_path.iterdir()
+    (entry,) = packages(tmp_path)
     meta = json.loads((entry / "meta.json").read_text())
     assert ("unsupported" in meta) == bool(first.compiled_step.ahead_of_time.failed)
 
@@ -311,7 +341,7 @@ def test_the_default_generates_at_once_and_switches_to_the_stored_step_with_the_
     want, lp_want = eager.generate(prompt, 12, temperature=0, logprobs=True, ignore_stop=True)
     assert ready_at_step[:3] == [False] * 3 and all(ready_at_step[3:]), ready_at_step  # a switch mid-answer
     assert got == want and lp_got == lp_want
-    assert llama.compiled_step.describe_origin() == "ahead of time, built and stored" and len(list(tmp_path.iterdir())) == 1
+    assert llama.compiled_step.describe_origin() == "ahead of time, built and stored" and len(packages(tmp_path)) == 1
 
 
 @pytest.mark.skipif(missing() is not None, reason="needs the CPU kernels' build tools")
@@ -320,12 +350,12 @@ def test_a_step_stored_by_a_first_run_is_loaded_by_the_second(tmp_path, quantize
     """The first run of a bfloat16 checkpoint in Meta's layout, quantized as it loads, stores the step; the second,
     with the same flags, compiles nothing and answers the same."""
     ckpt, _ = write_tiny(tmp_path / "ckpt", dtype=torch.bfloat16)
-    packages = tmp_path / "compiled"
-    runs = [_generate_compiled(ckpt, packages, "--quantize", quantize) for _ in range(2)]
+    stored = tmp_path / "compiled"
+    runs = [_generate_compiled(ckpt, stored, "--quantize", quantize) for _ in range(2)]
     assert "storing the compiled decode step for later runs" in runs[0].stderr
     assert "compiled:        yes (ahead of time, loaded from disk), in " in runs[1].stderr
     assert BUILDING not in runs[1].stderr and "storing the compiled" not in runs[1].stderr, runs[1].stderr
-    assert runs[1].stdout == runs[0].stdout and len(list(packages.iterdir())) == 1
+    assert runs[1].stdout == runs[0].stdout and len(packages(stored)) == 1
 
 
 def _resident_bytes() -> int:
@@ -426,7 +456,7 @@ def test_an_int8_kv_cache_runs_the_stored_steps_with_the_eager_answer(wide_ckpt,
             for kwargs in ({}, {"speculate": Always(), "draft_tokens": 3})]
     ahead = compiled.compiled_step.ahead_of_time
     assert set(ahead.built) == {1, (1, 4)} and compiled.last_speculation.checks > 5
-    metas = [json.loads((d / "meta.json").read_text()) for d in tmp_path.iterdir()]
+    metas = [json.loads((d / "meta.json").read_text()) for d in packages(tmp_path)]
     assert len(metas) == 2 and all(m["key"]["kv_dtype"] == "int8" for m in metas)
     for got, got_lp in runs:
         assert got == want and got_lp == want_lp

@@ -21,6 +21,7 @@ from llama.io.checkpoint import load_shard
 from llama.convert import cache
 from llama.convert.cache import MANIFEST, entry_damage, resolve_checkpoint, sample_digest
 from llama.errors import LlamaError
+from llama.runtime import files
 from llama.runtime.paths import home_dir
 
 pytest.importorskip("transformers")
@@ -235,8 +236,9 @@ def test_an_entry_of_the_previous_format_is_replaced_never_loaded(sources):
 CONCURRENT = r"""
 import json, sys
 import llama.convert.cache as cache
+import llama.runtime.files as files
 if sys.argv[2] == "no-lock":
-    cache.fcntl = None  # as on a system without locks: only the rename into place protects the entry
+    files.fcntl = None  # as on a system without locks: only the rename into place protects the entry
 print("ready", flush=True)
 sys.stdin.readline()  # both processes start converting when the test says go
 notes = []
@@ -277,7 +279,7 @@ def test_two_processes_converting_at_once_both_succeed(sources, home, locking):
 def test_without_locks_a_late_conversion_keeps_the_finished_entry(sources, monkeypatch):
     """Where the second of two unlocked conversions finishes, the rename finds the first's entry in place:
     it keeps it, whole, and drops its own copy."""
-    monkeypatch.setattr(cache, "fcntl", None)
+    monkeypatch.setattr(files, "fcntl", None)
     src = sources[0]["q8_0"].resolve()
     entry = resolve_checkpoint(src)
     before, manifest = snapshot(entry), (entry / MANIFEST).read_bytes()
