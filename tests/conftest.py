@@ -48,6 +48,21 @@ def pytest_xdist_auto_num_workers(config):
     return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """On pytest-xdist's workers (`--dist loadfile`: each file whole on one worker, handed out in the order
+    collected), the files marked `long` first, then the others by their number of tests, most first (pytest-xdist's
+    own order, which `--no-loadscope-reorder` in pyproject.toml turns off so that this one holds). A file of many
+    minutes with few tests, handed out last by that count, ran alone at the end of the run while the other workers
+    had nothing left to do."""
+    if not hasattr(config, "workerinput"):
+        return  # in one process (`-n 0`) the order changes nothing
+    files = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(files.values(), key=lambda group: (group[0].get_closest_marker("long") is None, -len(group)))
+    items[:] = [item for group in order for item in group]
+
+
 @pytest.fixture(scope="session", params=list(ATTENTION_SHAPES))
 def tiny_ckpt(request, tmp_path_factory) -> Path:
     """A tiny checkpoint of each attention shape."""
