@@ -52,8 +52,8 @@ def pytest_collection_modifyitems(config, items):
     """On pytest-xdist's workers (`--dist loadfile`: each file whole on one worker, handed out in the order
     collected), the files marked `long` first, then the others by their number of tests, most first (pytest-xdist's
     own order, which `--no-loadscope-reorder` in pyproject.toml turns off so that this one holds). A file of many
-    minutes with few tests, handed out last by that count, ran alone at the end of the run while the other workers
-    had nothing left to do."""
+    minutes with few tests, handed out last by that count, would run alone at the end of the run while the other
+    workers had nothing left to do."""
     if not hasattr(config, "workerinput"):
         return  # in one process (`-n 0`) the order changes nothing
     files = {}

@@ -37,8 +37,8 @@ PROMPTS = [
     "Le chat est sur",
 ]
 TOKENS = 48
-# The other kernel paths on the first four prompts for 32 tokens: text, code, a list and chat. The scalar loops, 5 to
-# 10 times slower than the others here (the loops tests/kernels holds every path to, bit for bit), on the first.
+# The other kernel paths on the first four prompts for 32 tokens: text, code, a list and chat. The scalar loops, the
+# slowest path by far (the loops tests/kernels holds every path to, bit for bit), on the first.
 PATH_PROMPTS, PATH_TOKENS = PROMPTS[:4], 32
 SCALAR_PROMPTS = PROMPTS[:1]
 FLOAT32_BOUND = 1e-4  # largest |cached - uncached| log-probability seen over these prompts: 1.4e-5
