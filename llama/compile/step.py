@@ -268,6 +268,11 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
         if step.ahead_of_time is not None:
             try:
                 if not eager_otherwise:
+                    # No compiler is said now, not after the export and lowering that come before it (a minute or
+                    # two of a core for the default model).
+                    reason = None if step.ahead_of_time.stored(batch_size) else build.missing_compiler()
+                    if reason is not None:
+                        raise CompileFailed(f"the stored step is built with a C++ compiler: {reason}")
                     step.ahead_of_time.runner(batch_size)  # loaded from its package, or built and stored first
                     return step
                 reason = _no_compiler() if not step.ahead_of_time.stored(batch_size) else None
@@ -325,10 +330,15 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, step: str, stric
     compiled = Step(model, progress, eager_otherwise=auto, stored=step == "stored", pool=cache)
     if step == "stored":
         try:
-            reason = _no_compiler() if auto else None
+            sizes = sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)})
+            if auto:
+                reason = _no_compiler()
+            else:  # said before the export and lowering that come before the compiler, as compile_step does
+                stored = all(compiled.ahead_of_time.stored(size) for size in sizes)
+                reason = None if stored else build.missing_compiler()
             if reason is not None:
                 raise RuntimeError(reason)
-            for size in sorted({PagedStep.size_range(n) for n in range(1, max_rows + 1)}):
+            for size in sizes:
                 # The default serves at once: packages not stored yet are built in the background, and each runs
                 # from the first step after it is ready. compile=True waits for them.
                 compiled.ahead_of_time.ready(size) if auto else compiled.ahead_of_time.runner(size)

@@ -36,14 +36,20 @@ class Unavailable(Exception):
     """The kernels cannot be built or loaded here; the message says what is missing, in a few words."""
 
 
+def missing_compiler() -> Optional[str]:
+    """Why no C++ compiler can be run here ($CXX, else c++), in a few words; None where one can."""
+    compiler = os.environ.get("CXX", "c++")
+    return f"no C++ compiler was found ({compiler}; set CXX to name one)" if shutil.which(compiler) is None else None
+
+
 def missing() -> Optional[str]:
     """What this machine lacks to build the kernels (an x86 CPU, a C++ compiler, ninja), or None."""
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         return f"they are written for x86 CPUs, and this one is {machine or 'unknown'}"
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler was found ({compiler}; set CXX to name one)"
+    reason = missing_compiler()
+    if reason:
+        return reason
     from torch.utils.cpp_extension import is_ninja_available
 
     if not is_ninja_available():
