@@ -80,9 +80,10 @@ def kv_cache_dtype_note(kv_dtype: torch.dtype, explicit: bool, stored_step: bool
             "this note)")
 
 
-def _no_compiler() -> Optional[str]:
-    """Why no package can be built here (no C++ compiler), in a few words; None where one can."""
-    reason = build.missing()
+def _no_compiler(kernels: bool = True) -> Optional[str]:
+    """Why no package can be built here (no C++ compiler), in a few words; None where one can. `kernels`: what the
+    integer kernels' build lacks counts too (the default mode's check); else only the compiler."""
+    reason = build.missing() if kernels else build.missing_compiler()
     return None if reason is None else f"the stored step is built with a C++ compiler: {reason}"
 
 
@@ -270,9 +271,9 @@ def compile_step(model: Transformer, progress: Optional[Progress] = None, eager_
                 if not eager_otherwise:
                     # No compiler is said now, not after the export and lowering that come before it (a minute or
                     # two of a core for the default model).
-                    reason = None if step.ahead_of_time.stored(batch_size) else build.missing_compiler()
+                    reason = None if step.ahead_of_time.stored(batch_size) else _no_compiler(kernels=False)
                     if reason is not None:
-                        raise CompileFailed(f"the stored step is built with a C++ compiler: {reason}")
+                        raise CompileFailed(reason)
                     step.ahead_of_time.runner(batch_size)  # loaded from its package, or built and stored first
                     return step
                 reason = _no_compiler() if not step.ahead_of_time.stored(batch_size) else None
@@ -335,7 +336,7 @@ def compile_paged_step(model: Transformer, cache: PagedKVCache, step: str, stric
                 reason = _no_compiler()
             else:  # said before the export and lowering that come before the compiler, as compile_step does
                 stored = all(compiled.ahead_of_time.stored(size) for size in sizes)
-                reason = None if stored else build.missing_compiler()
+                reason = None if stored else _no_compiler(kernels=False)
             if reason is not None:
                 raise RuntimeError(reason)
             for size in sizes:
