@@ -189,7 +189,7 @@ def test_cached_steps_give_the_bits_of_an_uncached_pass_at_2100_positions(gqa_ck
 
 
 def test_attention_over_int8_rows_is_attention_over_them_dequantized():
-    """`llama_kv.attention` given an int8 cache's rows dequantizes each block of keys as it reads them: the same bits
+    """`llama_kv.attention` given an int8 cache's rows dequantizes each key and value as it reads them: the same bits
     as dequantizing the whole cache first (`load_kv`) and attending over that, on every instruction path, for heads
     of one block (8, 16) and of several (64, 128), a decode step's few rows and a prompt's many."""
     random = torch.Generator().manual_seed(0)
@@ -210,7 +210,7 @@ def test_attention_over_int8_rows_is_attention_over_them_dequantized():
 
 
 def test_attention_over_bfloat16_rows_under_float32_queries_is_attention_over_them_converted():
-    """A bf16 cache's rows under a float32 model's queries, widened a block of keys at a time: the same bits as
+    """A bf16 cache's rows under a float32 model's queries, widened as they are read: the same bits as
     converting the whole cache to float32 first, on every instruction path, for a decode step's rows spread over
     parts and a prompt's many."""
     random = torch.Generator().manual_seed(1)

@@ -10,10 +10,11 @@
 //
 // With a float32 q, k and v may also be an int8 KV cache's rows as llama/kv_cache.py stores them, (B, H, Nk,
 // D + 4 nb): each position's D values in nb blocks of D / nb, then the bytes of the blocks' float32 scales. A row is
-// dequantized as load_kv does it (each value times its block's scale: one rounding) into a buffer, a block of
-// keys at a time, so the result is the same bits as dequantizing the whole cache first and attending over that,
-// without writing or reading that float copy. k and v may likewise be a bf16 cache's rows (B, H, Nk, D) under a
-// float32 q: widened a block at a time (exactly), the same bits as converting the cache to float32 first.
+// dequantized as load_kv does it (each value times its block's scale: one rounding) as the products read it (in
+// registers on the AVX2 and AVX-512 paths, into a row's buffer on the others), so the result is the same bits as
+// dequantizing the whole cache first and attending over that, while the cache is read at its own width and no float
+// copy is written. k and v may likewise be a bf16 cache's rows (B, H, Nk, D) under a float32 q: widened (exactly)
+// as they are read, the same bits as converting the cache to float32 first.
 //
 // Per row, flash attention's online softmax over blocks of kKeyBlock keys that start at multiples of kKeyBlock
 // from key 0, in order (so where a block starts never depends on the rows computed together). In a block, over
@@ -239,16 +240,68 @@ LK_AVX2 inline float dot_avx2(const float* q, const float* k, int64_t D) {
   return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 }
 
-// s[r][c] = dot(q[r], k_c) * scale + s[r][c] for NR rows and 4 keys (k_c = k + c * kstride), D a multiple of 8:
-// `dot_avx2`'s lanes, summed by two horizontal adds in `dot`'s tree (hadd(a, b) adds lanes 2t and 2t + 1).
-template <int NR>
-LK_AVX2 inline void dots_x4(const float* const* q, const float* k, int64_t kstride, int64_t D, float scale, float* const* s) {
+// A block's keys or values as the tile's products read them: 8 (or 16) values of its row j from d, as float32 in
+// registers, never stored: float32 rows in place, bf16 rows widened (exact), an int8 cache's rows dequantized as
+// `load_row` does it (each value times its block's scale, one rounding). So a bf16 or int8 cache is read once, at
+// its own width, with the same values and operations as widening the block first. A 16-value load stays in one
+// scale block: blocks are D or 32 values (llama/kv_cache.py), and 16-value loads start at multiples of 16.
+template <typename KV>
+struct Block;
+
+template <>
+struct Block<float> {
+  const float* p;
+  int64_t stride;
+  LK_AVX2 __m256 load8(int64_t j, int64_t d) const { return _mm256_loadu_ps(p + j * stride + d); }
+  LK_AVX512F __m512 load16(int64_t j, int64_t d) const { return _mm512_loadu_ps(p + j * stride + d); }
+};
+
+template <>
+struct Block<at::BFloat16> {
+  const at::BFloat16* p;
+  int64_t stride;
+  LK_AVX2 __m256 load8(int64_t j, int64_t d) const {
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * stride + d));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16));
+  }
+  LK_AVX512F __m512 load16(int64_t j, int64_t d) const {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * stride + d));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+  }
+};
+
+template <>
+struct Block<int8_t> {
+  const int8_t* p;
+  int64_t stride, D, bs;  // D values a row, then the float32 scales of its blocks of bs values
+  float scale_at(const int8_t* x, int64_t d) const {
+    float s;
+    std::memcpy(&s, x + D + d / bs * 4, sizeof s);
+    return s;
+  }
+  LK_AVX2 __m256 load8(int64_t j, int64_t d) const {
+    const int8_t* x = p + j * stride;
+    const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + d)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(w), _mm256_set1_ps(scale_at(x, d)));
+  }
+  LK_AVX512F __m512 load16(int64_t j, int64_t d) const {
+    const int8_t* x = p + j * stride;
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + d)));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_set1_ps(scale_at(x, d)));
+  }
+};
+
+// s[r][c] = dot(q[r], k_c) * scale + s[r][c] for NR rows and 4 keys (k_c = the block's row j + c), D a multiple of
+// 8: `dot_avx2`'s lanes, summed by two horizontal adds in `dot`'s tree (hadd(a, b) adds lanes 2t and 2t + 1).
+template <int NR, typename KV>
+LK_AVX2 inline void dots_x4(const float* const* q, const Block<KV>& k, int64_t j, int64_t D, float scale,
+                            float* const* s) {
   __m256 acc[NR][4];
   for (int r = 0; r < NR; r++)
     for (int c = 0; c < 4; c++) acc[r][c] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     __m256 kv[4];
-    for (int c = 0; c < 4; c++) kv[c] = _mm256_loadu_ps(k + c * kstride + d);
+    for (int c = 0; c < 4; c++) kv[c] = k.load8(j + c, d);
     for (int r = 0; r < NR; r++) {
       const __m256 qv = _mm256_loadu_ps(q[r] + d);
       for (int c = 0; c < 4; c++) acc[r][c] = _mm256_add_ps(acc[r][c], _mm256_mul_ps(qv, kv[c]));
@@ -262,16 +315,15 @@ LK_AVX2 inline void dots_x4(const float* const* q, const float* k, int64_t kstri
   }
 }
 
-// acc[r][d0 .. d0 + 8 NC) += e[r][j] * v_j for NR rows, j = 0 .. n in order (v_j = v + j * vstride).
-template <int NR, int NC>
-LK_AVX2 inline void values_tile(float* const* acc, const float* const* e, const float* v, int64_t vstride, int64_t n,
-                                int64_t d0) {
+// acc[r][d0 .. d0 + 8 NC) += e[r][j] * v_j for NR rows, j = 0 .. n in order (v_j = the block's row j).
+template <int NR, int NC, typename KV>
+LK_AVX2 inline void values_tile(float* const* acc, const float* const* e, const Block<KV>& v, int64_t n, int64_t d0) {
   __m256 sum[NR][NC];
   for (int r = 0; r < NR; r++)
     for (int c = 0; c < NC; c++) sum[r][c] = _mm256_loadu_ps(acc[r] + d0 + 8 * c);
   for (int64_t j = 0; j < n; j++) {
     __m256 vv[NC];
-    for (int c = 0; c < NC; c++) vv[c] = _mm256_loadu_ps(v + j * vstride + d0 + 8 * c);
+    for (int c = 0; c < NC; c++) vv[c] = v.load8(j, d0 + 8 * c);
     for (int r = 0; r < NR; r++) {
       const __m256 ev = _mm256_broadcast_ss(e[r] + j);
       for (int c = 0; c < NC; c++) sum[r][c] = _mm256_add_ps(sum[r][c], _mm256_mul_ps(ev, vv[c]));
@@ -281,11 +333,11 @@ LK_AVX2 inline void values_tile(float* const* acc, const float* const* e, const 
     for (int c = 0; c < NC; c++) _mm256_storeu_ps(acc[r] + d0 + 8 * c, sum[r][c]);
 }
 
-template <int NR>
-LK_AVX2 void values_rows(float* const* acc, const float* const* e, const float* v, int64_t vstride, int64_t n, int64_t D) {
+template <int NR, typename KV>
+LK_AVX2 void values_rows(float* const* acc, const float* const* e, const Block<KV>& v, int64_t n, int64_t D) {
   int64_t d0 = 0;
-  for (; d0 + 16 <= D; d0 += 16) values_tile<NR, 2>(acc, e, v, vstride, n, d0);
-  for (; d0 + 8 <= D; d0 += 8) values_tile<NR, 1>(acc, e, v, vstride, n, d0);
+  for (; d0 + 16 <= D; d0 += 16) values_tile<NR, 2>(acc, e, v, n, d0);
+  for (; d0 + 8 <= D; d0 += 8) values_tile<NR, 1>(acc, e, v, n, d0);
 }
 
 // acc += e * v over D, 8 lanes at a time, the tail one by one: the same operation on every element.
@@ -330,6 +382,26 @@ LK_AVX2 inline void widen_row(const Rows<T, KV>& a, const KV* x, float* y) {
   }
 }
 
+// The block of rows from x (row stride `stride`) of the call's keys or values, as the tile's products read it.
+template <typename T, typename KV>
+inline Block<KV> block(const Rows<T, KV>& a, const KV* x, int64_t stride) {
+  if constexpr (std::is_same<KV, int8_t>::value)
+    return Block<KV>{x, stride, a.D, a.D / a.nb};
+  else
+    return Block<KV>{x, stride};
+}
+
+// Row j of a block as float32 for the one-key-at-a-time paths: in place, or widened into buf (D values).
+template <typename T, typename KV>
+LK_AVX2 inline const float* float_row(const Rows<T, KV>& a, const Block<KV>& x, int64_t j, float* buf) {
+  if constexpr (std::is_same<KV, float>::value) {
+    return x.p + j * x.stride;
+  } else {
+    widen_row(a, x.p + j * x.stride, buf);
+    return buf;
+  }
+}
+
 // s[0 .. n) = row i's mask over keys j0 .. j0 + n (0 without one); returns how many of them it does not hide.
 template <typename T, typename KV>
 LK_AVX2 int64_t mask_block(const Rows<T, KV>& a, int64_t b, int64_t i, int64_t j0, int64_t n, float* s) {
@@ -350,21 +422,28 @@ LK_AVX2 int64_t mask_block(const Rows<T, KV>& a, int64_t b, int64_t i, int64_t j
   return n - hidden;
 }
 
-// Asks for n rows of `bytes` bytes each (stride `stride` elements) to be brought into the caches, without waiting.
+// Asks for n rows of `bytes` bytes each (stride `stride` elements) to be brought into the caches, without waiting:
+// each cache line once where the rows lie back to back.
 template <typename KV>
 LK_AVX2 inline void prefetch_rows(const KV* x, int64_t stride, int64_t n, int64_t bytes) {
-  for (int64_t j = 0; j < n; j++) {
-    const char* p = reinterpret_cast<const char*>(x + j * stride);
+  const char* p = reinterpret_cast<const char*>(x);
+  if (stride * int64_t(sizeof(KV)) == bytes) {
+    const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
+    for (uintptr_t o = first; o < reinterpret_cast<uintptr_t>(p + n * bytes); o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(o), _MM_HINT_T0);
+    return;
+  }
+  for (int64_t j = 0; j < n; j++, p += stride * int64_t(sizeof(KV))) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
     _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
   }
 }
 
 // A thread's buffers for one tile of rows: their queries (widened), scores and weights of one key block, and
-// (bf16, int8) the block's keys and values widened.
+// (bf16, int8) a key and a value row widened for the paths that take keys one at a time.
 struct Tile {
   std::vector<float> q, s, e, k, v;
-  Tile(int64_t D) : q(kRowTile * D), s(kRowTile * kKeyBlock), e(kRowTile * kKeyBlock), k(kKeyBlock * D), v(kKeyBlock * D) {}
+  Tile(int64_t D) : q(kRowTile * D), s(kRowTile * kKeyBlock), e(kRowTile * kKeyBlock), k(D), v(D) {}
 };
 
 // e[j .. n) = exp(s_j - m), added onto `sum8`'s lanes, and the sum of all as `dot` sums (8 lanes, key j in lane
@@ -423,8 +502,8 @@ LK_AVX512F inline __m512 two_halves(__m256 lo, __m256 hi) {
 
 // `dots_x4` for 8 keys: keys 2c and 2c + 1 in the halves of acc[r][c], each half `dot_avx2`'s lanes, then each
 // half's four keys summed by `dots_x4`'s horizontal adds.
-template <int NR>
-LK_AVX512F inline void dots_x8(const float* const* q, const float* k, int64_t kstride, int64_t D, float scale,
+template <int NR, typename KV>
+LK_AVX512F inline void dots_x8(const float* const* q, const Block<KV>& k, int64_t j, int64_t D, float scale,
                                float* const* s) {
   __m512 acc[NR][4];
   for (int r = 0; r < NR; r++)
@@ -432,7 +511,7 @@ LK_AVX512F inline void dots_x8(const float* const* q, const float* k, int64_t ks
   for (int64_t d = 0; d < D; d += 8) {
     __m512 kv[4];
     for (int c = 0; c < 4; c++)
-      kv[c] = two_halves(_mm256_loadu_ps(k + 2 * c * kstride + d), _mm256_loadu_ps(k + (2 * c + 1) * kstride + d));
+      kv[c] = two_halves(k.load8(j + 2 * c, d), k.load8(j + 2 * c + 1, d));
     for (int r = 0; r < NR; r++) {
       const __m256 q8 = _mm256_loadu_ps(q[r] + d);
       const __m512 qv = two_halves(q8, q8);
@@ -451,15 +530,15 @@ LK_AVX512F inline void dots_x8(const float* const* q, const float* k, int64_t ks
 }
 
 // `values_tile` 16 values a vector: acc[r][d0 .. d0 + 16 NC) += e[r][j] * v_j, j in order.
-template <int NR, int NC>
-LK_AVX512F inline void values_tile512(float* const* acc, const float* const* e, const float* v, int64_t vstride,
-                                      int64_t n, int64_t d0) {
+template <int NR, int NC, typename KV>
+LK_AVX512F inline void values_tile512(float* const* acc, const float* const* e, const Block<KV>& v, int64_t n,
+                                      int64_t d0) {
   __m512 sum[NR][NC];
   for (int r = 0; r < NR; r++)
     for (int c = 0; c < NC; c++) sum[r][c] = _mm512_loadu_ps(acc[r] + d0 + 16 * c);
   for (int64_t j = 0; j < n; j++) {
     __m512 vv[NC];
-    for (int c = 0; c < NC; c++) vv[c] = _mm512_loadu_ps(v + j * vstride + d0 + 16 * c);
+    for (int c = 0; c < NC; c++) vv[c] = v.load16(j, d0 + 16 * c);
     for (int r = 0; r < NR; r++) {
       const __m512 ev = _mm512_set1_ps(e[r][j]);
       for (int c = 0; c < NC; c++) sum[r][c] = _mm512_add_ps(sum[r][c], _mm512_mul_ps(ev, vv[c]));
@@ -469,13 +548,12 @@ LK_AVX512F inline void values_tile512(float* const* acc, const float* const* e, 
     for (int c = 0; c < NC; c++) _mm512_storeu_ps(acc[r] + d0 + 16 * c, sum[r][c]);
 }
 
-template <int NR>
-LK_AVX512F void values_rows512(float* const* acc, const float* const* e, const float* v, int64_t vstride, int64_t n,
-                               int64_t D) {
+template <int NR, typename KV>
+LK_AVX512F void values_rows512(float* const* acc, const float* const* e, const Block<KV>& v, int64_t n, int64_t D) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) values_tile512<NR, 4>(acc, e, v, vstride, n, d0);
-  for (; d0 + 16 <= D; d0 += 16) values_tile512<NR, 1>(acc, e, v, vstride, n, d0);
-  for (; d0 + 8 <= D; d0 += 8) values_tile<NR, 1>(acc, e, v, vstride, n, d0);
+  for (; d0 + 64 <= D; d0 += 64) values_tile512<NR, 4>(acc, e, v, n, d0);
+  for (; d0 + 16 <= D; d0 += 16) values_tile512<NR, 1>(acc, e, v, n, d0);
+  for (; d0 + 8 <= D; d0 += 8) values_tile<NR, 1>(acc, e, v, n, d0);
 }
 
 // `weights_avx2` 16 keys a vector: each vector's two halves added into the 8 lanes in key order.
