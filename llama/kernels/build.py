@@ -22,7 +22,7 @@ from llama.runtime.progress import Progress, or_silent, step
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp", "dot_avx512.cpp",
-           "attention.cpp", "f32_rows.cpp", "norm.cpp")
+           "attention.cpp", "f32_rows.cpp", "norm.cpp", "rotary.cpp")
 DIR_ENV = "LLAMA_KERNELS_DIR"
 BUILD_NOTE = "building the CPU kernels (int8/int4, and float32 decode products; once, a minute or two)"
 # No -std: torch adds the standard its own headers need (C++17 up to torch 2.13, C++20 from 2.14). Hidden symbols:

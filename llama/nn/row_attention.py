@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from llama import kernels
+from llama.kv_cache import being_traced
 from llama.model import RMSNorm, Rotary, ScaledDotProductAttention, rotate_written_out
 
 # Query rows (a KV head's, grouped-query heads folded in) up to which attention on the CPU runs `llama_kv.attention`
@@ -34,7 +36,7 @@ FEW_ROWS = 64
 
 class KernelAttention(ScaledDotProductAttention):
     """The same attention as its base class, over an int8 cache's rows and for a step's few float32 rows on the CPU
-    (`FEW_ROWS`) by `llama_kv.attention`, which dequantizes or widens a block of keys at a time as it goes: the same
+    (`FEW_ROWS`) by `llama_kv.attention`, which dequantizes or widens each key and value as it reads them: the same
     bits as converting the cache first. The layer plan swaps it in on the CPU wherever the kernels are loaded."""
 
     def reads_cache_rows(self, q: torch.Tensor) -> bool:
@@ -48,8 +50,8 @@ class KernelAttention(ScaledDotProductAttention):
 
 class RowExactAttention(KernelAttention):
     """The same attention as its base class, each query row computed alone in one fixed order (CPU). A bf16 cache's
-    rows are widened once for a prompt's many query rows rather than a block at a time by each tile of them: the
-    same bits (widening is exact)."""
+    rows are widened once for a prompt's many query rows rather than again by each tile of them as it reads them:
+    the same bits (widening is exact)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         if k.dtype == torch.bfloat16 and q.dtype == torch.float32 and q.shape[-2] > FEW_ROWS:
@@ -58,12 +60,19 @@ class RowExactAttention(KernelAttention):
 
 
 class RowExactRotary(Rotary):
-    """The same rotation as its base class, written out in real numbers eagerly too (`rotate_written_out`). About
-    35 us a call slower than the complex product on the default model's shapes (eager, one thread), which is why
-    the float paths keep that one when they run eagerly."""
+    """The same rotation as its base class, written out in real numbers eagerly too (`rotate_written_out`): by
+    `torch.ops.llama_kv.rotary` in one pass where the kernels are loaded and take it (float32 on the CPU), the
+    same operations and roundings as the ten torch ops of the written-out form, which a compiled step fuses into
+    its own code."""
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        return rotate_written_out(x, freqs_cis)
+        if (being_traced(x) or not kernels.loaded() or x.dtype != torch.float32 or x.device.type != "cpu"
+                or x.stride(-1) != 1):
+            return rotate_written_out(x, freqs_cis)
+        pairs = torch.view_as_real(freqs_cis)  # (positions, head_dim // 2, 2), or (batch, positions, ...)
+        if pairs.shape[:-2] not in (x.shape[1:2], x.shape[:2]):
+            return rotate_written_out(x, freqs_cis)
+        return torch.ops.llama_kv.rotary(x, pairs)
 
 
 class RowExactRMSNorm(RMSNorm):
