@@ -28,12 +28,14 @@ LK_AVX2 inline __m256 halves8(const uint16_t* p) {
 // One group (8 rows) against MT activation rows: out[m][r]. kHalves: int8 in groups of 16, each half of a block
 // (columns 0-15, 16-31) scaled apart.
 template <int MT, bool kHalves>
-LK_AVX2 void q8_0_group(const int8_t* wg, const uint16_t* sg, int64_t nb, const ActRow* act, float (*out)[ROWS]) {
+LK_AVX2 void q8_0_group(const int8_t* wg, const uint16_t* sg, int64_t nb, const ActRow* act, float (*out)[ROWS],
+                        const int8_t* next) {
   __m256 acc[MT];
   for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; b++) {
     const int8_t* wb = wg + b * Q8_BLOCK_BYTES;
+    prefetch_next(next ? next + b * Q8_BLOCK_BYTES : nullptr, Q8_BLOCK_BYTES);
     __m256i isum[MT][2];  // columns 0-15 (runs 0-3) and 16-31 (runs 4-7)
     for (int m = 0; m < MT; m++) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
     for (int j = 0; j < QK / 4; j++) {
@@ -65,7 +67,8 @@ LK_AVX2 void q8_0_group(const int8_t* wg, const uint16_t* sg, int64_t nb, const 
 // Half h (8 rows) of an int4 unit against MT activation rows: out[m][r]. Q4_0 (kMins false) takes 8 * asum off
 // each block's integer sum; Q4_1 adds its minimum's term.
 template <int MT, bool kMins>
-LK_AVX2 void q4_half(const uint8_t* unit, int h, int64_t nb, const ActRow* act, float (*out)[ROWS]) {
+LK_AVX2 void q4_half(const uint8_t* unit, int h, int64_t nb, const ActRow* act, float (*out)[ROWS],
+                     const uint8_t* next) {
   constexpr int64_t kBlock = kMins ? Q4_1_BLOCK_BYTES : Q4_0_BLOCK_BYTES;
   __m256 acc[MT];
   for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_ps();
@@ -73,6 +76,7 @@ LK_AVX2 void q4_half(const uint8_t* unit, int h, int64_t nb, const ActRow* act, 
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = unit + b * kBlock;
+    prefetch_next(next ? next + b * kBlock : nullptr, kBlock);
     __m256i sum16[MT];
     for (int m = 0; m < MT; m++) sum16[m] = _mm256_setzero_si256();
     // Not unrolled: four rows' sums, accumulators and the unpacked nibbles then fit in the 16 registers (unrolled,
@@ -109,14 +113,16 @@ LK_AVX2 void gemv_q4(const uint8_t* w, int64_t nb, int64_t u0, int64_t u1, const
   float tile[MAX_TILE][ROWS];
   for (int64_t u = u0; u < u1; u++) {
     const uint8_t* unit = w + u * nb * kBlock;
+    const uint8_t* next = u + 1 < u1 ? unit + nb * kBlock : nullptr;  // asked for with the first rows
     for (int h = 0; h < 2; h++) {  // the second half's bytes are in the cache lines the first half read
       for (int64_t m = 0; m < M; m += MAX_TILE) {
         const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
+        const uint8_t* ahead = h == 0 && m == 0 ? next : nullptr;
         switch (mt) {
-          case 1: q4_half<1, kMins>(unit, h, nb, act + m, tile); break;
-          case 2: q4_half<2, kMins>(unit, h, nb, act + m, tile); break;
-          case 3: q4_half<3, kMins>(unit, h, nb, act + m, tile); break;
-          default: q4_half<4, kMins>(unit, h, nb, act + m, tile); break;
+          case 1: q4_half<1, kMins>(unit, h, nb, act + m, tile, ahead); break;
+          case 2: q4_half<2, kMins>(unit, h, nb, act + m, tile, ahead); break;
+          case 3: q4_half<3, kMins>(unit, h, nb, act + m, tile, ahead); break;
+          default: q4_half<4, kMins>(unit, h, nb, act + m, tile, ahead); break;
         }
         for (int64_t i = 0; i < mt; i++)
           store_rows(tile[i], ROWS, y + (m + i) * out_features, u * Q4_ROWS + h * ROWS, out_features);
@@ -132,13 +138,15 @@ LK_AVX2 void gemv_q8(const int8_t* w, const uint16_t* scales, int64_t nb, int64_
   for (int64_t g = g0; g < g1; g++) {
     const int8_t* wg = w + g * nb * Q8_BLOCK_BYTES;
     const uint16_t* sg = scales + g * nb * ROWS * (kHalves ? 2 : 1);
+    const int8_t* next = g + 1 < g1 ? wg + nb * Q8_BLOCK_BYTES : nullptr;  // asked for with the first rows
     for (int64_t m = 0; m < M; m += MAX_TILE) {
       const int64_t mt = M - m < MAX_TILE ? M - m : MAX_TILE;
+      const int8_t* ahead = m == 0 ? next : nullptr;
       switch (mt) {
-        case 1: q8_0_group<1, kHalves>(wg, sg, nb, act + m, tile); break;
-        case 2: q8_0_group<2, kHalves>(wg, sg, nb, act + m, tile); break;
-        case 3: q8_0_group<3, kHalves>(wg, sg, nb, act + m, tile); break;
-        default: q8_0_group<4, kHalves>(wg, sg, nb, act + m, tile); break;
+        case 1: q8_0_group<1, kHalves>(wg, sg, nb, act + m, tile, ahead); break;
+        case 2: q8_0_group<2, kHalves>(wg, sg, nb, act + m, tile, ahead); break;
+        case 3: q8_0_group<3, kHalves>(wg, sg, nb, act + m, tile, ahead); break;
+        default: q8_0_group<4, kHalves>(wg, sg, nb, act + m, tile, ahead); break;
       }
       for (int64_t i = 0; i < mt; i++) store_rows(tile[i], ROWS, y + (m + i) * out_features, g * ROWS, out_features);
     }

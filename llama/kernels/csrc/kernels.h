@@ -113,6 +113,15 @@ LK_DECLARE_Q4(avx512vnni)
 // Up to this many activation rows share each pass over a group's weights.
 constexpr int MAX_TILE = 4;
 
+// Asks for the `bytes` at p (or nothing, if p is null) to be brought into the caches, without waiting. The products
+// call it at each block they multiply with the same block of the weights they multiply next: a thread reading
+// weights from memory with nothing asked ahead waits on each line in turn (docs/benchmarks.md, "Figures behind the
+// code").
+inline void prefetch_next(const void* p, int64_t bytes) {
+  if (p)
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, 3);
+}
+
 // Write a group's 8 outputs (or a unit's 16), leaving out rows past the weight's end.
 inline void store_rows(const float* acc, int n, float* y, int64_t first_row, int64_t out_features) {
   for (int r = 0; r < n && first_row + r < out_features; r++) y[first_row + r] = acc[r];
