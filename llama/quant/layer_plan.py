@@ -58,7 +58,7 @@ LINEAR_CLASSES = (
                 "float weights compiled on the CPU, where FewRowsLinear is not"),
     LinearClass(FewRowsLinear, "float32, row-major",
                 "llama_kv.f32_linear at 1 to FEW_ROWS_MAX rows (each weight row read once for all); more, "
-                "oneDNN's GEMM eagerly where torch has it (ONEDNN_LINEAR), else F.linear",
+                "oneDNN's GEMM eagerly where torch has it (onednn_linear), else F.linear",
                 "float32 weights compiled on the CPU, with llama/kernels loaded and the weight row-major"),
     LinearClass(RowExactLinear, "float32, row-major", "llama_kv.f32_linear at every row count, eager and compiled",
                 "float32 weights on the CPU with llama/kernels loaded, where keys and values are rounded to int8"),

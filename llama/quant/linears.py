@@ -15,6 +15,7 @@ bf16 for them would let cached and uncached float32 runs differ. What each path 
 docs/benchmarks.md, "Figures behind the code".
 """
 
+import functools
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -71,10 +72,22 @@ class MulSumLinear(nn.Linear):
 # Up to this many rows, a compiled float32 step on the CPU multiplies with llama_kv.f32_linear, which reads each weight
 # row once for all of them; from 16 rows on MKL's GEMM is as fast (docs/benchmarks.md).
 FEW_ROWS_MAX = 16
-# oneDNN's float32 GEMM, where this build of torch has it: F.linear takes MKL's, which multiplied a prompt's rows at
-# 0.4-0.5x oneDNN's speed on an AMD EPYC (docs/benchmarks.md, "Figures behind the code"). Each output row is its
-# own dot products either way, the same bits alone or among other rows.
-ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_linear() -> bool:
+    """Whether oneDNN's float32 GEMM is there, in this build of torch, and multiplies as F.linear does (checked once,
+    on a small product; the op is torch's own, not a public API). F.linear takes MKL's GEMM, which multiplied a
+    prompt's rows at 0.4-0.5x oneDNN's speed on an AMD EPYC (docs/benchmarks.md, "Figures behind the code"). Each
+    output row is its own dot products either way, the same bits alone or among other rows."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    random = torch.Generator().manual_seed(0)  # not the global generator: sampling's seeds stay as they were
+    x, w = torch.randn(17, 64, generator=random), torch.randn(8, 64, generator=random)
+    try:
+        return torch.allclose(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w), atol=1e-4)
+    except (RuntimeError, TypeError):
+        return False
 
 
 class FewRowsLinear(nn.Linear):
@@ -83,7 +96,7 @@ class FewRowsLinear(nn.Linear):
     Decoding multiplies one row per sequence by every weight matrix: the kernel reads each weight row once for all
     of them, where MKL reads the weights again for each tile of rows and Inductor's reduction (MulSumLinear) once
     per row, one running sum at a time (a batch decodes faster, and one row too: docs/benchmarks.md, "Figures behind
-    the code"). More rows, a prompt's, take oneDNN's GEMM eagerly (`ONEDNN_LINEAR`), else F.linear. Weights
+    the code"). More rows, a prompt's, take oneDNN's GEMM eagerly (`onednn_linear`), else F.linear. Weights
     row-major, as the compiled step stores them.
     """
 
@@ -91,7 +104,7 @@ class FewRowsLinear(nn.Linear):
         if 0 < _rows(x) <= FEW_ROWS_MAX:
             out = torch.ops.llama_kv.f32_linear(x, self.weight)
             return out if self.bias is None else out + self.bias
-        if ONEDNN_LINEAR and not being_traced(x) and x.device.type == "cpu":
+        if not being_traced(x) and x.device.type == "cpu" and onednn_linear():
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

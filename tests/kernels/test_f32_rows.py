@@ -81,3 +81,23 @@ def test_leading_dimensions_are_kept_and_bad_weights_refused():
         torch.ops.llama_kv.f32_linear(x, w.t().contiguous().t())  # column-major, as the eager model stores it
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.llama_kv.f32_linear(x.bfloat16(), w)
+
+
+def test_a_prompts_rows_on_the_float32_layer_are_within_the_bound_and_as_alone():
+    """FewRowsLinear past FEW_ROWS_MAX rows: oneDNN's GEMM where torch has it (`onednn_linear`), else F.linear.
+    Either way each output is within the float32 bound of the exact sum, and a row's outputs are the same bits
+    among 512 rows as among 17: what lets a server's batched prefill give each prompt what it gets alone."""
+    from llama.quant.linears import FEW_ROWS_MAX, FewRowsLinear
+
+    assert kernels.available(), kernels.unavailable_reason()
+    g = torch.Generator().manual_seed(11)
+    layer = FewRowsLinear(576, 1536, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(1536, 576, generator=g) * 0.05)
+    x = torch.randn(1, 512, 576, generator=g)
+    with torch.no_grad():
+        together = layer(x)[0]
+        seventeen = layer(x[:, 100:100 + FEW_ROWS_MAX + 1])[0]
+    w = layer.weight.detach()
+    assert ((together.double() - x[0].double() @ w.double().t()).abs() <= _bound(x[0], w)).all()
+    assert torch.equal(together[100:100 + FEW_ROWS_MAX + 1], seventeen)
