@@ -426,17 +426,11 @@ LK_AVX2 int64_t mask_block(const Rows<T, KV>& a, int64_t b, int64_t i, int64_t j
 // each cache line once where the rows lie back to back.
 template <typename KV>
 LK_AVX2 inline void prefetch_rows(const KV* x, int64_t stride, int64_t n, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(x);
   if (stride * int64_t(sizeof(KV)) == bytes) {
-    const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63);
-    for (uintptr_t o = first; o < reinterpret_cast<uintptr_t>(p + n * bytes); o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(o), _MM_HINT_T0);
+    prefetch_lines(x, n * bytes);
     return;
   }
-  for (int64_t j = 0; j < n; j++, p += stride * int64_t(sizeof(KV))) {
-    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
-    _mm_prefetch(p + bytes - 1, _MM_HINT_T0);
-  }
+  for (int64_t j = 0; j < n; j++) prefetch_lines(x + j * stride, bytes);
 }
 
 // A thread's buffers for one tile of rows: their queries (widened), scores and weights of one key block, and

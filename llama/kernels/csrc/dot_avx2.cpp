@@ -35,7 +35,7 @@ LK_AVX2 void q8_0_group(const int8_t* wg, const uint16_t* sg, int64_t nb, const 
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; b++) {
     const int8_t* wb = wg + b * Q8_BLOCK_BYTES;
-    prefetch_next(next ? next + b * Q8_BLOCK_BYTES : nullptr, Q8_BLOCK_BYTES);
+    prefetch_lines(next ? next + b * Q8_BLOCK_BYTES : nullptr, Q8_BLOCK_BYTES);
     __m256i isum[MT][2];  // columns 0-15 (runs 0-3) and 16-31 (runs 4-7)
     for (int m = 0; m < MT; m++) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
     for (int j = 0; j < QK / 4; j++) {
@@ -76,7 +76,7 @@ LK_AVX2 void q4_half(const uint8_t* unit, int h, int64_t nb, const ActRow* act, 
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* wb = unit + b * kBlock;
-    prefetch_next(next ? next + b * kBlock : nullptr, kBlock);
+    prefetch_lines(next ? next + b * kBlock : nullptr, kBlock);
     __m256i sum16[MT];
     for (int m = 0; m < MT; m++) sum16[m] = _mm256_setzero_si256();
     // Not unrolled: four rows' sums, accumulators and the unpacked nibbles then fit in the 16 registers (unrolled,

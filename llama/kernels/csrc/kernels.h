@@ -113,13 +113,15 @@ LK_DECLARE_Q4(avx512vnni)
 // Up to this many activation rows share each pass over a group's weights.
 constexpr int MAX_TILE = 4;
 
-// Asks for the `bytes` at p (or nothing, if p is null) to be brought into the caches, without waiting. The products
-// call it at each block they multiply with the same block of the weights they multiply next: a thread reading
-// weights from memory with nothing asked ahead waits on each line in turn (docs/benchmarks.md, "Figures behind the
-// code").
-inline void prefetch_next(const void* p, int64_t bytes) {
-  if (p)
-    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, 3);
+// Asks for every cache line of the `bytes` at p (nothing, if p is null) to be brought into the caches, without
+// waiting. The products call it at each block they multiply with the same block of the weights they multiply next:
+// a thread reading weights from memory with nothing asked ahead waits on each line in turn (docs/benchmarks.md,
+// "Figures behind the code"); the attention, with the next block of keys and values.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  if (!p) return;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(63); line < end; line += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 3);
 }
 
 // Write a group's 8 outputs (or a unit's 16), leaving out rows past the weight's end.
