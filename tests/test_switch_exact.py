@@ -149,11 +149,11 @@ def paths():
     """The paths the test above did not run. The emulated VNNI path (for tests: the AVX-VNNI code on AVX2) only where
     the CPU has no AVX-VNNI, and AVX-512 without VNNI only where the CPU has no AVX-512 VNNI: each is the other's
     code with its dot-product instruction written otherwise, and tests/kernels holds both to the scalar loop bit for
-    bit."""
+    bit. AVX-512 VNNI only where the CPU has no AMX path, which runs its code for a step's few rows."""
     assert kernels.load()
     cpu = kernels.cpu_paths()
     skip = {kernels.best_path(), "avxvnni-emulated" if "avxvnni" in cpu else None,
-            "avx512" if "avx512vnni" in cpu else None}
+            "avx512" if "avx512vnni" in cpu else None, "avx512vnni" if "amx" in cpu else None}
     return [p for p in cpu if p not in skip]
 
 

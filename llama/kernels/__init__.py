@@ -9,9 +9,10 @@ them as it does torch's own. The layer classes that call them are in llama/quant
 it (llama.quant.linears.FewRowsLinear), reading each weight row once for all of them; under an int8 KV cache every
 float32 product does (RowExactLinear), since each row's outputs are the same bits in any company.
 
-Which instruction path runs is chosen from the CPU's flags when the library loads (the best of AVX-512 VNNI,
-AVX-512 without VNNI, AVX-VNNI, AVX2, scalar); `LLAMA_KERNEL_PATH` or `options(path=...)` forces one the CPU has,
-as the tests do.
+Which instruction path runs is chosen from the CPU's flags when the library loads (the best of AMX, AVX-512 VNNI,
+AVX-512 without VNNI, AVX-VNNI, AVX2, scalar; AMX is AVX-512 VNNI with a prompt's int8 products on the tiles, taken
+only after one product on them has run in a child process); `LLAMA_KERNEL_PATH` or `options(path=...)` forces one
+the CPU has, as the tests do.
 """
 
 import os
@@ -22,7 +23,7 @@ import torch
 
 from llama.runtime.progress import Progress
 
-PATHS = ("scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512", "avx512vnni")  # in the library's numbering
+PATHS = ("scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512", "avx512vnni", "amx")  # in the library's numbering
 PATH_ENV = "LLAMA_KERNEL_PATH"
 QK = 32  # values per block, of activations and weights
 ROWS = 8  # int8 weight rows interleaved in a group

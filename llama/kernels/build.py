@@ -22,14 +22,14 @@ from llama.runtime.progress import Progress, or_silent, step
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("ops.cpp", "quantize_act.cpp", "dot_scalar.cpp", "dot_avx2.cpp", "dot_vnni.cpp", "dot_avx512.cpp",
-           "attention.cpp", "f32_rows.cpp", "norm.cpp", "rotary.cpp")
+           "dot_amx.cpp", "attention.cpp", "f32_rows.cpp", "norm.cpp", "rotary.cpp")
 DIR_ENV = "LLAMA_KERNELS_DIR"
 BUILD_NOTE = "building the CPU kernels (int8/int4, and float32 decode products; once, a minute or two)"
 # No -std: torch adds the standard its own headers need (C++17 up to torch 2.13, C++20 from 2.14). Hidden symbols:
 # loaded RTLD_GLOBAL, the library shows the libraries loaded after it only its C entry points (LLAMA_KV_EXPORT).
 FLAGS = ("-O3", "-fopenmp", "-ffp-contract=off", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 # The CPU flags that name the cache directory: the paths the library may take here.
-_KEY_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+_KEY_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8")
 
 
 class Unavailable(Exception):

@@ -243,6 +243,32 @@ def test_outputs_equal_the_scalar_loop_and_are_within_the_float_bound(path, meth
 
 
 @pytest.mark.parametrize("method", FORMATS)
+@pytest.mark.parametrize("m,k,out", [(16, 576, 24), (37, 576, 300), (64, 1536, 40), (33, 96, 8)])
+def test_a_prompts_many_rows_equal_the_scalar_loop(path, method, m, k, out):
+    """16 rows and more, as a prompt's products take them (the AMX path's tiles of 16 rows and two groups, and the
+    rows past the last 16 on AVX-512 VNNI's), an odd number of groups among them: the scalar loop's bits."""
+    gen = torch.Generator().manual_seed(m + k + out)
+    x = activations(m, k, gen)
+    values, scales, mins = random_weights(method, out, k, gen)
+    got = run(method, x, values, scales, mins)
+    with kernels.options(path="scalar"):
+        assert torch.equal(got, run(method, x, values, scales, mins))
+
+
+def test_the_amx_path_is_taken_only_where_the_cpu_reports_the_tiles():
+    """The AMX path is listed only where the CPU reports the tiles (and the kernel grants them, and a product on them
+    ran: some virtual machines report AMX and stop at its first instruction); where it is listed it is the best."""
+    assert kernels.load(), kernels.unavailable_reason()
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    if not {"amx_tile", "amx_int8", "avx512_vnni"} <= flags:
+        assert "amx" not in kernels.cpu_paths()
+    if "amx" in kernels.cpu_paths():
+        assert kernels.best_path() == "amx"
+
+
+@pytest.mark.parametrize("method", FORMATS)
 def test_bf16_activations_are_rounded_as_float32_ones_and_the_output_to_bf16(path, method):
     gen = torch.Generator().manual_seed(4)
     x = activations(3, 1024, gen, torch.bfloat16)
@@ -255,9 +281,10 @@ def test_bf16_activations_are_rounded_as_float32_ones_and_the_output_to_bf16(pat
 
 
 @pytest.mark.parametrize("method", FORMATS)
-def test_threads_and_neighbouring_rows_change_no_bit(path, method):
+@pytest.mark.parametrize("m", [7, 37])
+def test_threads_and_neighbouring_rows_change_no_bit(path, method, m):
     gen = torch.Generator().manual_seed(5)
-    x = activations(7, 256, gen)
+    x = activations(m, 256, gen)
     values, scales, mins = random_weights(method, 300, 256, gen)  # 38 groups, 19 units: split over threads
     threads = torch.get_num_threads()
     try:

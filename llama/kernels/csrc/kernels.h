@@ -61,7 +61,8 @@ enum Path : int {
   kAvxVnni = 3,          // AVX-VNNI (256-bit vpdpbusd, VEX)
   kAvx512 = 4,           // AVX-512 F/BW/VL without VNNI: maddubs, 16 rows a vector
   kAvx512Vnni = 5,       // AVX-512 F/BW/VL + VNNI: vpdpbusd, 16 rows a vector
-  kNumPaths = 6,
+  kAmx = 6,              // AVX-512 VNNI, and AMX tiles for products of 16 rows and more (dot_amx.cpp)
+  kNumPaths = 7,
 };
 
 const char* path_name(int path);
@@ -101,6 +102,11 @@ LK_GEMV_Q8_0(gemv_q8_16_avxvnni_emulated);
 LK_GEMV_Q8_0(gemv_q8_16_avxvnni);
 LK_GEMV_Q8_0(gemv_q8_16_avx512);
 LK_GEMV_Q8_0(gemv_q8_16_avx512vnni);
+// Q8_0, Q4_0 and Q4_1 products of M rows, M a multiple of 16, on AMX tiles; only where cpu_runs_amx().
+LK_GEMV_Q8_0(gemm_q8_0_amx);
+LK_GEMV_Q4(gemm_q4_0_amx);
+LK_GEMV_Q4(gemm_q4_1_amx);
+bool cpu_runs_amx();
 #define LK_DECLARE_Q4(path) LK_GEMV_Q4(gemv_q4_0_##path); LK_GEMV_Q4(gemv_q4_1_##path);
 LK_DECLARE_Q4(scalar)
 LK_DECLARE_Q4(avx2)

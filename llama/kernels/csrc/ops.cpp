@@ -38,7 +38,8 @@
 namespace llama_kv {
 
 const char* path_name(int path) {
-  static const char* names[kNumPaths] = {"scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512", "avx512vnni"};
+  static const char* names[kNumPaths] = {"scalar", "avx2", "avxvnni-emulated", "avxvnni", "avx512", "avx512vnni",
+                                             "amx"};
   return path >= 0 && path < kNumPaths ? names[path] : "unknown";
 }
 
@@ -255,13 +256,20 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
   float* yp = y.data_ptr<float>();
   const ActRow* rows = a.rows;
   using Gemv = void (*)(const int8_t*, const uint16_t*, int64_t, int64_t, int64_t, const ActRow*, int64_t, float*, int64_t);
+  // The AMX path is AVX-512 VNNI's for fewer than 16 rows, for the rows past the last 16, and in groups of 16.
   static const Gemv q8_0[kNumPaths] = {gemv_q8_0_scalar, gemv_q8_0_avx2, gemv_q8_0_avxvnni_emulated,
-                                       gemv_q8_0_avxvnni, gemv_q8_0_avx512, gemv_q8_0_avx512vnni};
+                                       gemv_q8_0_avxvnni, gemv_q8_0_avx512, gemv_q8_0_avx512vnni,
+                                       gemv_q8_0_avx512vnni};
   static const Gemv q8_16[kNumPaths] = {gemv_q8_16_scalar, gemv_q8_16_avx2, gemv_q8_16_avxvnni_emulated,
-                                        gemv_q8_16_avxvnni, gemv_q8_16_avx512, gemv_q8_16_avx512vnni};
+                                        gemv_q8_16_avxvnni, gemv_q8_16_avx512, gemv_q8_16_avx512vnni,
+                                        gemv_q8_16_avx512vnni};
   const Gemv gemv = (halves ? q8_16 : q8_0)[path];
+  const int64_t tiled = path == kAmx && !halves ? M / 16 * 16 : 0;  // rows on the tiles
   at::parallel_for(0, groups, std::max<int64_t>(1, kMinBytesPerTask / (nb * Q8_BLOCK_BYTES)),
-                   [&](int64_t g0, int64_t g1) { gemv(w, sc, nb, g0, g1, rows, M, yp, out_features); });
+                   [&](int64_t g0, int64_t g1) {
+                     if (tiled) gemm_q8_0_amx(w, sc, nb, g0, g1, rows, tiled, yp, out_features);
+                     if (tiled < M) gemv(w, sc, nb, g0, g1, rows + tiled, M - tiled, yp + tiled * out_features, out_features);
+                   });
   return in_dtype_of(x, y);
 }
 
@@ -302,12 +310,18 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& weight, int64_t out_
   const ActRow* rows = a.rows;
   using Gemv = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const ActRow*, int64_t, float*, int64_t);
   static const Gemv q4_0[kNumPaths] = {gemv_q4_0_scalar, gemv_q4_0_avx2, gemv_q4_0_avxvnni_emulated,
-                                       gemv_q4_0_avxvnni, gemv_q4_0_avx512, gemv_q4_0_avx512vnni};
+                                       gemv_q4_0_avxvnni, gemv_q4_0_avx512, gemv_q4_0_avx512vnni,
+                                       gemv_q4_0_avx512vnni};
   static const Gemv q4_1[kNumPaths] = {gemv_q4_1_scalar, gemv_q4_1_avx2, gemv_q4_1_avxvnni_emulated,
-                                       gemv_q4_1_avxvnni, gemv_q4_1_avx512, gemv_q4_1_avx512vnni};
+                                       gemv_q4_1_avxvnni, gemv_q4_1_avx512, gemv_q4_1_avx512vnni,
+                                       gemv_q4_1_avx512vnni};
   const Gemv gemv = (has_mins ? q4_1 : q4_0)[path];
-  at::parallel_for(0, units, std::max<int64_t>(1, kMinBytesPerTask / unit_bytes),
-                   [&](int64_t u0, int64_t u1) { gemv(w, nb, u0, u1, rows, M, yp, out_features); });
+  const Gemv tiles = has_mins ? gemm_q4_1_amx : gemm_q4_0_amx;
+  const int64_t tiled = path == kAmx ? M / 16 * 16 : 0;  // rows on the tiles
+  at::parallel_for(0, units, std::max<int64_t>(1, kMinBytesPerTask / unit_bytes), [&](int64_t u0, int64_t u1) {
+    if (tiled) tiles(w, nb, u0, u1, rows, tiled, yp, out_features);
+    if (tiled < M) gemv(w, nb, u0, u1, rows + tiled, M - tiled, yp + tiled * out_features, out_features);
+  });
   return in_dtype_of(x, y);
 }
 
@@ -417,6 +431,7 @@ bool cpu_supports(int path) {
     case kAvxVnni: return cpu().avxvnni;
     case kAvx512: return cpu().avx512;
     case kAvx512Vnni: return cpu().avx512vnni;
+    case kAmx: return cpu().avx512vnni && cpu_runs_amx();
     default: return false;
   }
 }
